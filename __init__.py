@@ -1,0 +1,1 @@
+"""actorserve: vLLM's design as an asyncio actor microkernel over ZeroMQ."""
