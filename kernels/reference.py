@@ -5,7 +5,8 @@ Shapes (T = tokens in the step, B = sequences, D = head_dim):
     k_cache, v_cache  [num_blocks, block_size, Hkv, D]
     block_tables      [B, max_blocks] int32 (entries past a sequence's blocks are ignored)
     seq_lens          [B] int32: tokens in the cache for each sequence *including* this step's
-    query_start_loc   [B+1] int32: sequence b's queries are q[query_start_loc[b]:query_start_loc[b+1]]
+    query_start_loc   [B+1] int32: sequence b's queries are
+                      q[query_start_loc[b] : query_start_loc[b+1]]
 
 Query i of sequence b (qlen_b queries) sits at position seq_lens[b] - qlen_b + i and attends to
 cache positions 0..that position (causal inside the chunk, full over the cached prefix).
@@ -25,7 +26,7 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write k, v [T, Hkv, D] into the caches at flat slots (block * block_size + offset); -1 skips."""
+    """Write k, v [T, Hkv, D] into the caches at flat slots (block * bs + offset); -1 skips."""
     slots = slot_mapping.long()
     keep = slots >= 0
     if not bool(keep.all()):
@@ -36,7 +37,7 @@ def store_kv(
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """[num_blocks, bs, H, D] + one table row -> [length, H, D] (contiguous keys of one sequence)."""
+    """[num_blocks, bs, H, D] + one table row -> [length, H, D] (one sequence's keys in order)."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
     blocks = cache.index_select(0, block_table[:num_blocks].long())
@@ -92,7 +93,11 @@ def _decode_batch(q, k_cache, v_cache, block_tables, lens, starts, rows, scale, 
     ctx = torch.tensor([lens[b] for b in rows], device=q.device)
     max_ctx = int(ctx.max())
     num_blocks = (max_ctx + block_size - 1) // block_size
-    tables = block_tables.index_select(0, idx)[:, :num_blocks].long().clamp(min=0)
+    tables = block_tables.index_select(0, idx)[:, :num_blocks].long()
+    # Entries past a sequence's own blocks may hold anything (-1, stale ids): point them at block 0,
+    # whose keys the length mask hides anyway.
+    owned = torch.arange(num_blocks, device=q.device) * block_size < ctx.unsqueeze(1)
+    tables = torch.where(owned, tables, torch.zeros_like(tables))
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     # [R, nb, bs, Hkv, D] -> [R, Hkv, nb*bs, D]
     k = k_cache[tables].reshape(len(rows), -1, num_kv_heads, head_dim).transpose(1, 2)

@@ -1,0 +1,116 @@
+"""One place for the engine's settings, the actors' addresses and the model facts they share.
+
+The supervisor builds an `EngineConfig` from the user's flags, resolves what depends on the
+checkpoint (`ModelFacts`) and on the Worker's memory measurement (`num_kv_blocks`), and hands the
+resolved config to every actor it starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+
+ACTORS = ("worker", "block_manager", "scheduler", "engine")  # start order; stop is the reverse
+
+
+class ModelFacts(msgspec.Struct, frozen=True):
+    """What the Scheduler and Engine need of the checkpoint, read from its JSON files alone."""
+
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+
+    @classmethod
+    def read(cls, model_dir: str | Path) -> ModelFacts:
+        model_dir = Path(model_dir)
+        config_path = model_dir / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"model: no config.json in {model_dir}")
+        config = json.loads(config_path.read_text())
+        eos = config.get("eos_token_id")
+        gen_path = model_dir / "generation_config.json"
+        if gen_path.is_file():
+            eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        text = config.get("text_config", config)
+        return cls(
+            vocab_size=int(text["vocab_size"]),
+            max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
+            eos_token_ids=eos_ids,
+        )
+
+
+class Addresses(msgspec.Struct, frozen=True):
+    """ZeroMQ endpoints: one PULL mailbox per actor and the supervisor, plus the clients' ROUTER."""
+
+    run_dir: str
+    client: str
+
+    def mailbox(self, actor: str) -> str:
+        return f"ipc://{self.run_dir}/{actor}.sock"
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: measured by the Worker from kv_cache_memory_gb
+    kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_live_requests: int = 1024  # over this, new requests get an `overloaded` error
+    device: str = "auto"
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    attention_backend: str = "auto"
+    torch_threads: int | None = None  # None: every core (only the Worker runs torch compute)
+    heartbeat_interval_s: float = 1.0
+    ready_timeout_s: float = 180.0
+    stop_timeout_s: float = 10.0
+    seed: int = 0
+    addresses: Addresses | None = None
+    facts: ModelFacts | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting out of range."""
+        checks = [
+            ("block_size", self.block_size in (8, 16, 32, 64), "one of 8, 16, 32, 64"),
+            ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
+            ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, ">= 1"),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, ">= 2"),
+            ("heartbeat_interval_s", self.heartbeat_interval_s > 0, "> 0"),
+        ]
+        for name, ok, limit in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {limit}, got {getattr(self, name)}")
+
+    def resolve_model(self) -> EngineConfig:
+        """Fill `facts` and `max_model_len` from the checkpoint's JSON files."""
+        facts = ModelFacts.read(self.model)
+        max_len = self.max_model_len or facts.max_position_embeddings
+        if max_len > facts.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings "
+                f"({facts.max_position_embeddings}), got {max_len}"
+            )
+        return msgspec.structs.replace(self, facts=facts, max_model_len=max_len)
+
+    def resolve_kv_blocks(self, num_kv_blocks: int) -> EngineConfig:
+        """Fix the block count the Worker measured; every sequence must fit in the cache alone."""
+        capacity = num_kv_blocks * self.block_size
+        if self.max_model_len is not None and capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_kv_blocks} blocks of "
+                f"{self.block_size}), less than max_model_len={self.max_model_len}: raise "
+                f"kv_cache_memory_gb / num_kv_blocks or lower max_model_len"
+            )
+        return msgspec.structs.replace(self, num_kv_blocks=num_kv_blocks)
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> EngineConfig:
+        return msgspec.json.decode(data, type=cls)

@@ -1,0 +1,180 @@
+"""The Actor base every process shares: mailbox, peers, dispatch, Ready, Heartbeat, stop.
+
+An actor binds one PULL socket (its mailbox) and PUSHes to its peers' mailboxes. Each message is
+decoded with the inbox's typed decoder and handed to `on_<snake_case_name>`; handlers run one at a
+time, in arrival order. A message that cannot be decoded or whose handler raises is logged and
+reported to the supervisor as `ActorError`; the actor keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import inspect
+import logging
+import os
+import re
+import signal
+import sys
+import typing
+from typing import Any, ClassVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ..messages.codec import DecodeError, Decoder, encode
+from ..messages.control import ActorError, Heartbeat, Ready, Stop
+from .config import EngineConfig
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr, force=True)
+
+
+def handler_name(message_type: type) -> str:
+    return "on_" + re.sub(r"(?<!^)(?=[A-Z])", "_", message_type.__name__).lower()
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent (the supervisor) dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+class Actor:
+    name: ClassVar[str]
+    inbox: ClassVar[Any]  # the Union of message types this actor accepts
+    peers: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.addresses = config.addresses
+        self.log = logging.getLogger(self.name)
+        self.ctx = zmq.asyncio.Context()
+        self._decoder = Decoder(self.inbox)
+        self._handlers = {}
+        for message_type in typing.get_args(self.inbox):
+            method = getattr(self, handler_name(message_type))
+            self._handlers[message_type] = (method, inspect.iscoroutinefunction(method))
+        self._outboxes: dict[str, zmq.Socket] = {}
+        self._stopped = asyncio.Event()
+        self._parent_pid = os.getppid()
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        """Load what the actor needs before it says Ready (the Worker loads the model here)."""
+
+    def ready(self) -> Ready:
+        return Ready(actor=self.name, pid=os.getpid())
+
+    async def background(self) -> None:
+        """Extra long-running work beside the mailbox (the Engine serves its client socket)."""
+
+    async def teardown(self) -> None:
+        """Release resources after the mailbox stops."""
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def send(self, peer: str, message: msgspec.Struct) -> None:
+        """Queue a message for a peer's mailbox (never blocks: the send queue is unbounded)."""
+        socket = self._outboxes.get(peer)
+        if socket is None:
+            socket = self._outboxes[peer] = self._connect(peer)
+        socket.send(encode(message), copy=False)
+
+    def _connect(self, peer: str) -> zmq.Socket:
+        sync_ctx = zmq.Context.shadow(self.ctx.underlying)
+        socket = sync_ctx.socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.LINGER, 2000)
+        socket.connect(self.addresses.mailbox(peer))
+        return socket
+
+    def report_error(self, message: str) -> None:
+        self.log.error(message)
+        self.send("supervisor", ActorError(actor=self.name, message=message))
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.request_stop)
+        mailbox = self.ctx.socket(zmq.PULL)
+        mailbox.setsockopt(zmq.RCVHWM, 0)
+        mailbox.bind(self.addresses.mailbox(self.name))
+        try:
+            await self.setup()
+            self.send("supervisor", self.ready())
+            tasks = [
+                asyncio.create_task(self._serve(mailbox)),
+                asyncio.create_task(self._heartbeat()),
+                asyncio.create_task(self.background()),
+            ]
+            await self._stopped.wait()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.teardown()
+        finally:
+            mailbox.close(linger=0)
+            for socket in self._outboxes.values():
+                socket.close()
+            self.ctx.term()
+
+    def request_stop(self) -> None:
+        self._stopped.set()
+
+    async def on_stop(self, message: Stop) -> None:
+        self.log.info("stopping%s", f": {message.reason}" if message.reason else "")
+        self.request_stop()
+
+    async def _serve(self, mailbox: zmq.asyncio.Socket) -> None:
+        while True:
+            data = await mailbox.recv(copy=False)
+            await self.dispatch(data.bytes)
+
+    async def dispatch(self, data: bytes) -> None:
+        try:
+            message = self._decoder.decode(data)
+        except DecodeError as exc:
+            self.report_error(f"could not decode a {len(data)}-byte message: {exc}")
+            return
+        handler, is_async = self._handlers[type(message)]
+        try:
+            if is_async:
+                await handler(message)
+            else:
+                handler(message)
+        except Exception as exc:  # a bad message must never kill the actor
+            self.log.exception("handler for %s failed", type(message).__name__)
+            self.report_error(f"{type(message).__name__} failed: {type(exc).__name__}: {exc}")
+
+    async def _heartbeat(self) -> None:
+        beat = Heartbeat(actor=self.name, pid=os.getpid())
+        while True:
+            self.send("supervisor", beat)
+            if os.getppid() != self._parent_pid:
+                self.log.error("supervisor is gone; stopping")
+                self.request_stop()
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+
+
+def actor_main(actor_cls: type[Actor], config_json: str) -> None:
+    """Process entry: logging, signals, uvloop, run until stopped."""
+    configure_logging()
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the supervisor, which stops us
+    config = EngineConfig.from_json(config_json)
+    try:
+        import uvloop
+
+        uvloop.run(actor_cls(config).run())
+    except ImportError:
+        asyncio.run(actor_cls(config).run())

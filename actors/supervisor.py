@@ -1,0 +1,266 @@
+"""The supervisor: starts the four actor processes in order, watches them, stops them in order.
+
+Start: Worker first (it measures the KV cache and reports num_kv_blocks in Ready), then the
+BlockManager (sized from that), the Scheduler, and last the Engine (which opens the clients' door).
+Each must send Ready within `ready_timeout_s`, or start-up fails naming the actor. While serving,
+an actor that exits brings the whole tree down with a message naming it and a non-zero exit.
+Stop: Engine first (no new requests), then Scheduler, BlockManager, Worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ..messages.codec import DecodeError, Decoder, SupervisorInbox, encode
+from ..messages.common import PROTOCOL_VERSION
+from ..messages.control import ActorError, ActorStatus, Heartbeat, Ready, Roster, Stop
+from .config import ACTORS, Addresses, EngineConfig
+
+MODULES = {
+    "engine": "actorserve.actors.engine",
+    "scheduler": "actorserve.actors.scheduler",
+    "block_manager": "actorserve.actors.block_manager",
+    "worker": "actorserve.actors.worker.worker",
+}
+
+log = logging.getLogger("supervisor")
+
+
+class SupervisorError(RuntimeError):
+    """The engine cannot serve: an actor failed to start or died."""
+
+
+class ActorProcess:
+    def __init__(self, name: str, process: subprocess.Popen):
+        self.name = name
+        self.process = process
+        self.ready: Ready | None = None
+        self.last_beat = time.monotonic()
+        self.errors = 0
+
+    def status(self) -> ActorStatus:
+        alive = self.process.poll() is None
+        state = ("ready" if self.ready else "starting") if alive else "exited"
+        age = round(time.monotonic() - self.last_beat, 3)
+        return ActorStatus(self.name, self.process.pid, state, 0, age)
+
+
+class Supervisor:
+    def __init__(self, config: EngineConfig, client_address: str | None = None):
+        config.validate()
+        self.config = config.resolve_model()
+        self.run_dir = tempfile.mkdtemp(prefix="actorserve-")  # mode 0700
+        self.config = msgspec.structs.replace(
+            self.config,
+            addresses=Addresses(self.run_dir, client_address or f"ipc://{self.run_dir}/client.sock"),
+        )
+        self.actors: dict[str, ActorProcess] = {}
+        self.failure: str | None = None
+        self._done = asyncio.Event()
+        self._ready_changed = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._outboxes: dict[str, zmq.Socket] = {}
+
+    @property
+    def client_address(self) -> str:
+        return self.config.addresses.client
+
+    # -- start -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.mailbox = self.ctx.socket(zmq.PULL)
+        self.mailbox.bind(self.config.addresses.mailbox("supervisor"))
+        self._tasks.append(asyncio.create_task(self._receive()))
+        try:
+            for name in ACTORS:
+                self._spawn(name)
+                ready = await self._wait_ready(name)
+                if name == "worker":
+                    self.config = self.config.resolve_kv_blocks(ready.num_kv_blocks)
+        except BaseException:
+            await self.stop()
+            raise
+        self._send_roster()
+        self._tasks.append(asyncio.create_task(self._monitor()))
+        log.info("serving %s at %s (pids: %s)", self.config.model, self.client_address,
+                 ", ".join(f"{a.name}={a.process.pid}" for a in self.actors.values()))
+
+    def _spawn(self, name: str) -> None:
+        env = dict(os.environ)
+        if name != "worker":  # only the Worker computes with torch; the others keep one thread
+            env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        process = subprocess.Popen(
+            [sys.executable, "-m", MODULES[name], self.config.to_json().decode()],
+            env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr,
+        )
+        self.actors[name] = ActorProcess(name, process)
+
+    async def _wait_ready(self, name: str) -> Ready:
+        actor = self.actors[name]
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        while actor.ready is None:
+            code = actor.process.poll()
+            if code is not None:
+                raise SupervisorError(f"actor {name} exited with code {code} before it was ready "
+                                      f"(its log is above)")
+            if time.monotonic() > deadline:
+                raise SupervisorError(f"actor {name} did not send Ready within "
+                                      f"{self.config.ready_timeout_s:.0f} s")
+            self._ready_changed.clear()
+            try:
+                await asyncio.wait_for(self._ready_changed.wait(), 0.1)
+            except asyncio.TimeoutError:
+                pass
+        if actor.ready.protocol_version != PROTOCOL_VERSION:
+            raise SupervisorError(f"actor {name} speaks protocol {actor.ready.protocol_version}, "
+                                  f"the supervisor {PROTOCOL_VERSION}")
+        return actor.ready
+
+    # -- watch -------------------------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        decoder = Decoder(SupervisorInbox)
+        while True:
+            data = await self.mailbox.recv()
+            try:
+                message = decoder.decode(data)
+            except DecodeError as exc:
+                log.error("could not decode a message: %s", exc)
+                continue
+            actor = self.actors.get(message.actor)
+            if actor is None or actor.process.pid != message.pid:
+                continue  # from a process that is gone
+            actor.last_beat = time.monotonic()
+            if isinstance(message, Ready):
+                actor.ready = message
+                self._ready_changed.set()
+            elif isinstance(message, ActorError):
+                actor.errors += 1
+                log.warning("%s reported: %s", message.actor, message.message)
+            elif isinstance(message, Heartbeat):
+                pass
+
+    async def _monitor(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        next_roster = time.monotonic() + interval
+        while True:
+            for actor in self.actors.values():
+                code = actor.process.poll()
+                if code is not None:
+                    self.failure = (f"actor {actor.name} (pid {actor.process.pid}) exited with "
+                                    f"code {code}; stopping the engine")
+                    log.error(self.failure)
+                    await self.stop()
+                    return
+            if time.monotonic() >= next_roster:
+                self._send_roster()
+                next_roster += interval
+            await asyncio.sleep(0.1)
+
+    def _send_roster(self) -> None:
+        self._send("engine", Roster([a.status() for a in self.actors.values()]))
+
+    def statuses(self) -> list[ActorStatus]:
+        return [a.status() for a in self.actors.values()]
+
+    def _send(self, name: str, message) -> None:
+        socket = self._outboxes.get(name)
+        if socket is None:
+            socket = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 500)
+            socket.connect(self.config.addresses.mailbox(name))
+            self._outboxes[name] = socket
+        socket.send(encode(message))
+
+    # -- stop --------------------------------------------------------------------------------
+
+    async def wait(self) -> None:
+        """Return when the tree has stopped; raise SupervisorError if an actor died."""
+        await self._done.wait()
+        if self.failure:
+            raise SupervisorError(self.failure)
+
+    async def stop(self, reason: str = "shutdown") -> None:
+        """Stop the actors in order (Engine first), each by Stop, then SIGTERM, then SIGKILL."""
+        if self._done.is_set():
+            return
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        for name in reversed(ACTORS):
+            actor = self.actors.get(name)
+            if actor is None or actor.process.poll() is not None:
+                continue
+            self._send(name, Stop(reason))
+            if not await self._wait_exit(actor, self.config.stop_timeout_s):
+                actor.process.terminate()
+                if not await self._wait_exit(actor, 5.0):
+                    actor.process.kill()
+                    await self._wait_exit(actor, 5.0)
+        for socket in self._outboxes.values():
+            socket.close(linger=0)
+        self.mailbox.close(linger=0) if hasattr(self, "mailbox") else None
+        if hasattr(self, "ctx"):
+            self.ctx.term()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self._done.set()
+
+    @staticmethod
+    async def _wait_exit(actor: ActorProcess, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while actor.process.poll() is None:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+
+class BackgroundSupervisor:
+    """A supervisor on its own event loop thread, for synchronous callers (CLI, offline API)."""
+
+    def __init__(self, config: EngineConfig, client_address: str | None = None):
+        self._config = config
+        self._client_address = client_address
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="supervisor")
+        self.supervisor: Supervisor | None = None
+
+    def start(self) -> str:
+        """Start the actors; return the client address. Raises SupervisorError on failure."""
+        self._thread.start()
+
+        async def _start() -> Supervisor:
+            supervisor = Supervisor(self._config, self._client_address)
+            await supervisor.start()
+            return supervisor
+
+        self.supervisor = asyncio.run_coroutine_threadsafe(_start(), self._loop).result()
+        return self.supervisor.client_address
+
+    def stop(self) -> None:
+        if self.supervisor is not None:
+            asyncio.run_coroutine_threadsafe(self.supervisor.stop(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> BackgroundSupervisor:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,216 @@
+"""Llama-family decoder in plain torch (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+The step is flat: T tokens from B sequences, laid out sequence after sequence. Attention goes
+through `ops` (kernels.attention_ops): store_kv writes this step's K/V into the paged cache, then
+paged_attention reads each sequence's whole context back through its block table. Parameter names
+follow Hugging Face's, except the fused `qkv_proj` (rows q, k, v) and `gate_up_proj` (rows gate,
+up); the loader concatenates the checkpoint's tensors to match.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actorserve.kernels import AttentionOps
+from .config import ModelConfig, RopeScaling
+
+
+class AttentionMetadata(NamedTuple):
+    """Flat step layout; see kernels/reference.py for the exact meaning of each field.
+
+    slot_mapping    [T] int64: cache slot (block * block_size + offset) of each token, -1 = skip
+    block_tables    [B, max_blocks] int32
+    seq_lens        [B] int32: context length of each sequence including this step's tokens
+    query_start_loc [B+1] int32: sequence b's tokens are rows query_start_loc[b]:[b+1]
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, scaled as `scaling` says."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables [max_position_embeddings, head_dim // 2] in float32, built once."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        cos, sin = self._tables(None)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        device = device or torch.empty(0).device  # the default device, meta included
+        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(device)
+        positions = torch.arange(c.max_position_embeddings, device=device).float()
+        freqs = positions[:, None] * inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
+
+    def rebuild(self, device: torch.device | str) -> None:
+        """Recompute the tables on `device` (after the model was built on the meta device)."""
+        self.cos, self.sin = self._tables(torch.device(device))
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """[T] positions -> cos, sin [T, 1, head_dim // 2] in `dtype` (broadcast over heads)."""
+        return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation of x [T, H, D] (first half, second half), as Hugging Face's Llama."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, ops: AttentionOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.sizes = [config.q_size, config.kv_size, config.kv_size]
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim).contiguous()
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k_cache, v_cache = kv_cache
+        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.ops.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
+        )
+        return self.o_proj(out.reshape(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, ops: AttentionOps) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, ops)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, ops: AttentionOps) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. With tied embeddings there is no `lm_head`; the embedding serves."""
+
+    def __init__(self, config: ModelConfig, ops: AttentionOps) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, ops)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden] after the final norm.
+
+        kv_caches[layer] = (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, D].
+        """
+        h = self.model.embed_tokens(input_ids)
+        rope = self.rotary(positions, h.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, rope, kv_cache, meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

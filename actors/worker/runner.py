@@ -1,0 +1,144 @@
+"""The model runner: a persistent batch fed by delta StepPlans, flat inputs, forward, sample.
+
+For each scheduled request the step computes tokens [num_computed, num_computed + num_new) of
+`token_ids`; their KV goes to slots block_ids[pos // block_size] * block_size + pos % block_size.
+A request samples when the step reaches the end of its `token_ids`; the sampled token is appended
+here, so a decode needs no token ids from the Scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...messages.step import NewRequest, StepPlan, StepResult
+from ..config import EngineConfig
+from .models.llama import AttentionMetadata
+from .sampler import Sampler, SampleRow
+
+
+@dataclass
+class CachedRequest:
+    """One request in the persistent batch."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed: int
+    block_ids: list[int]
+    new: NewRequest  # the params and identity as first received
+    stop_token_ids: list[int]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_index: torch.Tensor  # rows of the hidden states that sample
+    sample_ids: list[str]
+    sample_rows: list[SampleRow]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model, kv_caches, device: torch.device):
+        self.config = config
+        self.model = model
+        self.kv_caches = kv_caches
+        self.device = device
+        self.block_size = config.block_size
+        self.eos_token_ids = config.facts.eos_token_ids
+        self.requests: dict[str, CachedRequest] = {}
+        self.sampler = Sampler(config.seed)
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def apply(self, plan: StepPlan) -> list[tuple[str, int]]:
+        """Update the persistent batch; return the step's (request id, tokens to compute)."""
+        for rid in plan.removed:
+            self.requests.pop(rid, None)
+        scheduled = []
+        for update in plan.running:
+            request = self.requests[update.request_id]
+            request.block_ids.extend(update.new_block_ids)
+            scheduled.append((update.request_id, update.num_new_tokens))
+        for new in plan.new:
+            stops = list(new.params.stop_token_ids)
+            if not new.params.ignore_eos:
+                stops += self.eos_token_ids
+            self.requests[new.request_id] = CachedRequest(
+                list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
+                list(new.block_ids), new, stops,
+            )
+            scheduled.append((new.request_id, new.num_new_tokens))
+        return scheduled
+
+    def prepare(self, scheduled: list[tuple[str, int]]) -> StepInputs:
+        bs = self.block_size
+        ids_parts, pos_parts, slot_parts = [], [], []
+        seq_lens, query_start = [], [0]
+        sample_index, sample_ids, sample_rows = [], [], []
+        max_blocks = max(len(self.requests[rid].block_ids) for rid, _ in scheduled)
+        tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+        for b, (rid, count) in enumerate(scheduled):
+            request = self.requests[rid]
+            start, end = request.num_computed, request.num_computed + count
+            blocks = np.asarray(request.block_ids, dtype=np.int64)
+            tables[b, : len(blocks)] = blocks
+            positions = np.arange(start, end, dtype=np.int64)
+            ids_parts.append(request.token_ids[start:end])
+            pos_parts.append(positions)
+            slot_parts.append(blocks[positions // bs] * bs + positions % bs)
+            seq_lens.append(end)
+            query_start.append(query_start[-1] + count)
+            if end == len(request.token_ids):
+                sample_index.append(query_start[-1] - 1)
+                sample_ids.append(rid)
+                sample_rows.append(SampleRow(request.new.params, end,
+                                             end - request.num_prompt_tokens,
+                                             request.stop_token_ids))
+        host = {
+            "input_ids": torch.tensor([t for part in ids_parts for t in part], dtype=torch.long),
+            "positions": torch.from_numpy(np.concatenate(pos_parts)),
+            "slot_mapping": torch.from_numpy(np.concatenate(slot_parts)),
+            "block_tables": torch.from_numpy(tables),
+            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+            "query_start_loc": torch.tensor(query_start, dtype=torch.int32),
+            "sample_index": torch.tensor(sample_index, dtype=torch.long),
+        }
+        dev = self._to_device(host)
+        meta = AttentionMetadata(dev["slot_mapping"], dev["block_tables"], dev["seq_lens"],
+                                 dev["query_start_loc"])
+        return StepInputs(dev["input_ids"], dev["positions"], meta, dev["sample_index"],
+                          sample_ids, sample_rows)
+
+    def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """CPU: as is. CUDA: pinned buffers copied on the copy stream; compute waits on an event."""
+        if self.copy_stream is None:
+            return host
+        with torch.cuda.stream(self.copy_stream):
+            dev = {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in host.items()}
+            ready = torch.cuda.Event()
+            ready.record(self.copy_stream)
+        torch.cuda.current_stream(self.device).wait_event(ready)
+        return dev
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter()
+        scheduled = self.apply(plan)
+        if not scheduled:
+            return StepResult(plan.step_id, [], [])
+        inputs = self.prepare(scheduled)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        tokens: list[int] = []
+        if inputs.sample_ids:
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_index))
+            tokens = self.sampler(logits, inputs.sample_rows)
+        for rid, count in scheduled:
+            self.requests[rid].num_computed += count
+        for rid, token in zip(inputs.sample_ids, tokens):
+            self.requests[rid].token_ids.append(token)
+        return StepResult(plan.step_id, inputs.sample_ids, tokens,
+                          forward_s=time.perf_counter() - started)

@@ -1,0 +1,104 @@
+"""Worker actor: owns the device, the model, the paged KV cache and (on CUDA) its streams.
+
+Inbox: StepPlan (Scheduler); Stop.
+Outbox: StepResult -> Scheduler; Ready (with num_kv_blocks), Heartbeat -> supervisor.
+Owns: model weights, KV cache tensors, the persistent batch (runner.py).
+Dies when: Stop, SIGTERM, or its supervisor goes away. A failing step is answered with
+StepResult.error, and the Worker keeps serving.
+
+The forward runs on a thread of its own so the event loop keeps sending heartbeats meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+from ...kernels import attention_ops
+from ...messages.codec import WorkerInbox
+from ...messages.control import Ready
+from ...messages.step import StepPlan, StepResult
+from ..runtime import Actor, actor_main
+
+GIB = 1 << 30
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else 4 GiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * GIB
+
+
+class Worker(Actor):
+    name = "worker"
+    inbox = WorkerInbox
+
+    async def setup(self) -> None:
+        import torch
+
+        from .loader import load_model
+        from .runner import ModelRunner
+
+        cfg = self.config
+        threads = cfg.torch_threads or os.cpu_count() or 1
+        torch.set_num_threads(threads)
+        device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        )
+        dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+                 "float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16}[cfg.dtype]
+        ops = attention_ops(device, cfg.attention_backend)
+        model, model_config = load_model(cfg.model, device, dtype, ops)
+        block_bytes = (2 * model_config.num_layers * cfg.block_size * model_config.num_kv_heads
+                       * model_config.head_dim * dtype.itemsize)
+        num_blocks = cfg.num_kv_blocks or max(1, self._kv_budget(device) // block_bytes)
+        shape = (num_blocks, cfg.block_size, model_config.num_kv_heads, model_config.head_dim)
+        kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                      torch.zeros(shape, dtype=dtype, device=device))
+                     for _ in range(model_config.num_layers)]
+        self.num_kv_blocks = num_blocks
+        self.runner = ModelRunner(cfg, model, kv_caches, device)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.log.info("model %s on %s (%s, %d threads, attention %s): %d KV blocks of %d tokens",
+                      cfg.model, device, dtype, threads, ops.name, num_blocks, cfg.block_size)
+
+    def _kv_budget(self, device) -> int:
+        import torch
+
+        if self.config.kv_cache_memory_gb is not None:
+            return int(self.config.kv_cache_memory_gb * GIB)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return max(0, int(free * 0.9) - GIB)  # headroom for activations
+        return min(GIB, available_memory_bytes() // 4)
+
+    def ready(self) -> Ready:
+        return Ready(actor=self.name, pid=os.getpid(), num_kv_blocks=self.num_kv_blocks)
+
+    async def on_step_plan(self, plan: StepPlan) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(self.executor, self.runner.execute, plan)
+        except Exception as exc:
+            self.log.exception("step %d failed", plan.step_id)
+            for rid in [u.request_id for u in plan.running] + [n.request_id for n in plan.new]:
+                self.runner.requests.pop(rid, None)
+            result = StepResult(plan.step_id, [], [], error=f"{type(exc).__name__}: {exc}")
+        if plan.running or plan.new:
+            self.send("scheduler", result)
+
+    async def teardown(self) -> None:
+        self.executor.shutdown(wait=True)
+
+
+if __name__ == "__main__":
+    actor_main(Worker, sys.argv[1])

@@ -1,0 +1,298 @@
+"""Small Llama-family checkpoints with seeded random weights, for tests, demos and benchmarks.
+
+    python -m actorserve.checkpoints KIND [KIND ...] [--root DIR]     # prints each path
+
+Each kind is a Hugging Face directory (config.json, generation_config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json) that transformers' AutoModelForCausalLM / AutoTokenizer load.
+The tokenizer is a byte-level BPE (vocab 32000, so any UTF-8 round-trips) trained once on the first
+8 MB of this interpreter's standard library sources (sorted by path, deterministic) and shared by
+every kind. Builds go to a temporary directory renamed into place, so concurrent builders are safe;
+a directory is rebuilt only when missing or built from a different spec.
+
+Weight init makes greedy decoding robust to op-order differences between implementations:
+projections are N(0, 1/fan_in) so attention scores and MLP outputs are O(1) and every layer
+matters, norm weights are 1 + N(0, 0.1^2) and biases N(0, 0.3^2) so a mis-mapped tensor shows, and
+the output head gives logits with standard deviation `logit_std`, which spreads the top of the
+32000 logits well apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent
+VOCAB_SIZE = 32000
+CORPUS_BYTES = 8_000_000
+FORMAT = 1  # bump to rebuild every cached checkpoint
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")  # ids 0..4
+UNK, BOS, EOS, IM_START, IM_END = SPECIAL_TOKENS
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Qwen2's split (words, single digits, punctuation runs, newlines); transformers rebuilds any
+# "qwen2" tokenizer with it (plus NFC), so every kind uses it to tokenize the same everywhere.
+PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_STAMP = "actorserve_checkpoint.json"
+_RESIDUAL_OUT = ("o_proj.weight", "down_proj.weight")  # projections that write the residual
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSpec:
+    """`config` holds the transformers config fields; `model_type` picks the config class."""
+
+    model_type: str
+    config: dict[str, Any]
+    seed: int
+    logit_std: float = 4.0
+    residual_gain: float = 1.0
+    description: str = ""
+
+
+def _spec(model_type: str, seed: int, description: str, **config: Any) -> CheckpointSpec:
+    base = dict(
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        bos_token_id=SPECIAL_TOKENS.index(BOS),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+    )
+    return CheckpointSpec(model_type, {**base, **config}, seed, description=description)
+
+
+_TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=64)
+KINDS: dict[str, CheckpointSpec] = {
+    "demo": _spec(
+        "llama", 1, "Llama, ~19M params",
+        hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    ),
+    "tiny-llama": _spec(
+        "llama", 2, "Llama, tied embeddings",
+        **_TINY, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+    ),
+    "tiny-qwen3": _spec(
+        "qwen3", 3, "Qwen3: q/k norm, head_dim 64 with 4 heads on hidden 128",
+        **_TINY, num_attention_heads=4, num_key_value_heads=2,
+    ),
+    "tiny-qwen2": _spec(
+        "qwen2", 4, "Qwen2: q/k/v biases",
+        **_TINY, num_attention_heads=2, num_key_value_heads=1,
+    ),
+    "tiny-mistral": _spec(
+        "mistral", 5, "Mistral, no sliding window",
+        **_TINY, num_attention_heads=2, num_key_value_heads=1, sliding_window=None,
+    ),
+    "tiny-llama3": _spec(
+        "llama", 6, "Llama with llama3 rope scaling",
+        **_TINY, num_attention_heads=2, num_key_value_heads=1,
+        rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
+        },
+    ),
+    "llama-125m": _spec(
+        "llama", 7, "Llama, ~134M params (benchmarks)",
+        hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=12, head_dim=64,
+    ),
+}  # fmt: skip
+
+
+def default_root() -> Path:
+    return Path(os.environ.get("ACTORSERVE_CHECKPOINTS") or REPO / ".checkpoints")
+
+
+def ensure_checkpoint(kind: str, root: Path | None = None) -> Path:
+    """The directory of checkpoint `kind` under `root`, built first when missing or stale."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown checkpoint kind {kind!r}; known: {', '.join(KINDS)}")
+    root = Path(root) if root is not None else default_root()
+    tokenizer_dir = ensure_tokenizer(root)
+    fingerprint = _fingerprint(
+        {"spec": dataclasses.asdict(KINDS[kind]), "tokenizer": _file_sha(tokenizer_dir)}
+    )
+    return _ensure_dir(
+        root / kind, fingerprint, lambda out: _build_model(KINDS[kind], tokenizer_dir, out)
+    )
+
+
+def ensure_tokenizer(root: Path) -> Path:
+    """root/tokenizer: tokenizer.json + tokenizer_config.json shared by every kind."""
+    fingerprint = _fingerprint({"vocab": VOCAB_SIZE, "corpus": CORPUS_BYTES, "format": FORMAT})
+    return _ensure_dir(root / "tokenizer", fingerprint, _build_tokenizer)
+
+
+def _ensure_dir(final: Path, fingerprint: str, build: Callable[[Path], None]) -> Path:
+    if _stamp(final) == fingerprint:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        build(tmp)
+        (tmp / _STAMP).write_text(json.dumps({"fingerprint": fingerprint}) + "\n")
+        tmp.chmod(0o755)
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+        if final.exists() and _stamp(final) != fingerprint:  # stale: move it out of the way
+            stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.stale.", dir=final.parent))
+            os.replace(final, stale / "old")
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if _stamp(final) != fingerprint:  # not a concurrent builder's identical result
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _stamp(path: Path) -> str | None:
+    try:
+        return json.loads((path / _STAMP).read_text())["fingerprint"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _fingerprint(obj: Any) -> str:
+    data = json.dumps({"format": FORMAT, **obj}, sort_keys=True).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _file_sha(tokenizer_dir: Path) -> str:
+    return hashlib.sha256((tokenizer_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
+
+
+def corpus(limit: int = CORPUS_BYTES) -> Iterator[str]:
+    """Standard-library .py sources sorted by relative path, UTF-8 ones only, ~`limit` bytes."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        (p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts),
+        key=lambda p: p.relative_to(stdlib).as_posix(),
+    )
+    total = 0
+    for path in files:
+        try:
+            data = path.read_bytes()
+            text = data.decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        yield text
+        total += len(data)
+        if total >= limit:
+            return
+
+
+def _build_tokenizer(out: Path) -> None:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "unk_token": UNK,
+        "pad_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 2048,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _build_model(spec: CheckpointSpec, tokenizer_dir: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    config = AutoConfig.for_model(spec.model_type, **spec.config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    init_weights(model, spec)
+    model.generation_config = GenerationConfig(
+        bos_token_id=spec.config["bos_token_id"], eos_token_id=spec.config["eos_token_id"]
+    )
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tokenizer_dir / name, out / name)
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    tok_config["model_max_length"] = spec.config["max_position_embeddings"]
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+
+
+def init_weights(model: Any, spec: CheckpointSpec) -> None:
+    """Seeded init (see the module docstring), parameters visited in name order."""
+    import torch
+
+    gen = torch.Generator().manual_seed(spec.seed)
+    hidden = spec.config["hidden_size"]
+    tied = spec.config["tie_word_embeddings"]
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.3, generator=gen)
+            elif "embed_tokens" in name:
+                param.normal_(0.0, spec.logit_std / hidden**0.5 if tied else 1.0, generator=gen)
+            elif name == "lm_head.weight":
+                param.normal_(0.0, spec.logit_std / hidden**0.5, generator=gen)
+            else:
+                gain = spec.residual_gain if name.endswith(_RESIDUAL_OUT) else 1.0
+                param.normal_(0.0, gain * param.shape[1] ** -0.5, generator=gen)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m actorserve.checkpoints", description=__doc__)
+    parser.add_argument("kinds", nargs="+", metavar="KIND", choices=list(KINDS))
+    parser.add_argument(
+        "--root", type=Path, default=None, help="default: $ACTORSERVE_CHECKPOINTS or <repo>/.checkpoints"
+    )
+    args = parser.parse_args(argv)
+    for kind in args.kinds:
+        print(ensure_checkpoint(kind, args.root))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

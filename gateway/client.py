@@ -1,0 +1,239 @@
+"""The ZeroMQ client SDK: `AsyncClient` (asyncio) and `Client` (blocking), over one DEALER socket.
+
+One receive task reads the socket and routes each reply by request id. A stream whose consumer is
+slow does not queue without bound: deltas that arrive before it reads are merged into one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ..messages.client import (
+    AbortRequest,
+    Delta,
+    EngineToClient,
+    ErrorReply,
+    GenerateRequest,
+    HealthReply,
+    HealthRequest,
+)
+from ..messages.codec import Decoder, encode
+from ..messages.common import SamplingParams
+
+
+class EngineError(Exception):
+    """The engine refused or failed a request. `code`: invalid_request, overloaded, ..."""
+
+    def __init__(self, message: str, code: str = "internal", request_id: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
+
+
+class EngineUnavailable(EngineError):
+    """No answer from the engine within the client's timeout."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "unavailable")
+
+
+class _Stream:
+    """Pending output of one request: deltas merge while nobody reads them."""
+
+    def __init__(self):
+        self.pending: Delta | None = None
+        self.error: ErrorReply | None = None
+        self.event = asyncio.Event()
+
+    def push(self, delta: Delta) -> None:
+        if self.pending is None:
+            self.pending = delta
+        else:
+            p = self.pending
+            self.pending = Delta(delta.request_id, p.text + delta.text, p.token_ids + delta.token_ids,
+                                 delta.finish_reason, delta.prompt_tokens, delta.completion_tokens)
+        self.event.set()
+
+    def fail(self, error: ErrorReply) -> None:
+        self.error = error
+        self.event.set()
+
+
+class AsyncClient:
+    def __init__(self, address: str, *, timeout_s: float | None = None):
+        """`timeout_s`: longest wait for any message of a stream before EngineUnavailable."""
+        self.address = address
+        self.timeout_s = timeout_s
+        self._ctx = zmq.asyncio.Context()
+        self._socket = self._ctx.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(address)
+        self._decoder = Decoder(EngineToClient)
+        self._streams: dict[str, _Stream] = {}
+        self._health: dict[str, asyncio.Future] = {}
+        self._receiver: asyncio.Task | None = None
+
+    def _ensure_receiver(self) -> None:
+        if self._receiver is None or self._receiver.done():
+            self._receiver = asyncio.get_running_loop().create_task(self._receive())
+
+    async def _receive(self) -> None:
+        while True:
+            data = await self._socket.recv()
+            try:
+                message = self._decoder.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if isinstance(message, Delta):
+                stream = self._streams.get(message.request_id)
+                if stream is not None:
+                    stream.push(message)
+            elif isinstance(message, ErrorReply):
+                stream = self._streams.get(message.request_id or "")
+                if stream is not None:
+                    stream.fail(message)
+                future = self._health.pop(message.request_id or "", None)
+                if future is not None and not future.done():
+                    future.set_exception(EngineError(message.message, message.code))
+            elif isinstance(message, HealthReply):
+                future = self._health.pop(message.request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+
+    async def send_raw(self, data: bytes) -> None:
+        """Send bytes as they are (for tests of the engine's input checks)."""
+        await self._socket.send(data)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[Delta]:
+        """Stream the completion's deltas; the last one has `finish_reason` set.
+
+        Leaving the loop early (break, cancel, error) aborts the request in the engine.
+        """
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._streams:
+            raise EngineError(f"request_id {rid!r} is already streaming", "invalid_request", rid)
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+        message = GenerateRequest(rid, text, ids, params or SamplingParams())
+        stream = self._streams[rid] = _Stream()
+        self._ensure_receiver()
+        finished = False
+        try:
+            await self._socket.send(encode(message))
+            while not finished:
+                try:
+                    await asyncio.wait_for(stream.event.wait(), self.timeout_s)
+                except asyncio.TimeoutError:
+                    raise EngineUnavailable(
+                        f"no reply from the engine at {self.address} in {self.timeout_s} s"
+                    ) from None
+                stream.event.clear()
+                if stream.error is not None:
+                    finished = True
+                    raise EngineError(stream.error.message, stream.error.code, rid)
+                delta, stream.pending = stream.pending, None
+                if delta is not None:
+                    finished = delta.finished
+                    yield delta
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                await self.abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        await self._socket.send(encode(AbortRequest(request_id)))
+
+    async def health(self, timeout_s: float = 10.0) -> HealthReply:
+        rid = uuid.uuid4().hex
+        future = self._health[rid] = asyncio.get_running_loop().create_future()
+        self._ensure_receiver()
+        await self._socket.send(encode(HealthRequest(rid)))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"no health reply from {self.address} in {timeout_s} s") from None
+        finally:
+            self._health.pop(rid, None)
+
+    async def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+            try:
+                await self._receiver
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._socket.close(linger=0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class Client:
+    """Blocking wrapper: an AsyncClient on a private event loop thread."""
+
+    def __init__(self, address: str, *, timeout_s: float | None = None):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="actorserve-client")
+        self._thread.start()
+        self._async = self._call(self._make(address, timeout_s))
+
+    @staticmethod
+    async def _make(address: str, timeout_s: float | None) -> AsyncClient:
+        return AsyncClient(address, timeout_s=timeout_s)
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                 request_id: str | None = None) -> Iterator[Delta]:
+        stream = self._async.generate(prompt, params, request_id)
+        try:
+            while True:
+                try:
+                    yield self._call(stream.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._call(stream.aclose())
+
+    def complete(self, prompt: str | list[int], params: SamplingParams | None = None) -> Delta:
+        """The whole completion as one Delta (text and token ids joined)."""
+        text, ids, last = [], [], None
+        for last in self.generate(prompt, params):
+            text.append(last.text)
+            ids.extend(last.token_ids)
+        return Delta(last.request_id, "".join(text), ids, last.finish_reason, last.prompt_tokens,
+                     last.completion_tokens)
+
+    def abort(self, request_id: str) -> None:
+        self._call(self._async.abort(request_id))
+
+    def health(self, timeout_s: float = 10.0) -> HealthReply:
+        return self._call(self._async.health(timeout_s))
+
+    def close(self) -> None:
+        self._call(self._async.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

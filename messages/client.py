@@ -1,0 +1,82 @@
+"""Client <-> Engine: what the SDK sends on its DEALER socket and what the Engine answers.
+
+These are plain (map-encoded) msgpack Structs so clients in other languages can speak them.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .common import FinishReason, SamplingParams
+from .control import ActorStatus
+
+
+class GenerateRequest(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Exactly one of `prompt` (text, tokenized by the Engine) and `prompt_token_ids`."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+
+
+class AbortRequest(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    request_id: str
+
+
+class HealthRequest(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    request_id: str
+
+
+class Delta(msgspec.Struct, tag=True, omit_defaults=True):
+    """New text and token ids of one request; the last delta carries `finish_reason`.
+
+    `text` holds only complete UTF-8 characters: bytes of a character split across tokens are held
+    back until the character is whole.
+    """
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class ErrorReply(msgspec.Struct, tag=True, omit_defaults=True):
+    """A request the Engine refused or failed. `code` is machine-readable, `message` for people."""
+
+    message: str
+    code: str = "invalid_request"  # invalid_request | overloaded | unavailable | internal
+    request_id: str | None = None
+
+
+class EngineStats(msgspec.Struct, omit_defaults=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_partial_prefills: int = 0  # steps that computed part of a prompt, not all of it
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    blocks_total: int = 0
+    blocks_free: int = 0
+
+    @property
+    def blocks_used(self) -> int:
+        return self.blocks_total - self.blocks_free
+
+
+class HealthReply(msgspec.Struct, tag=True, omit_defaults=True):
+    request_id: str
+    ok: bool
+    stats: EngineStats = msgspec.field(default_factory=EngineStats)
+    actors: list[ActorStatus] = []
+
+
+ClientToEngine = GenerateRequest | AbortRequest | HealthRequest
+EngineToClient = Delta | ErrorReply | HealthReply

@@ -1,0 +1,64 @@
+"""One codec: msgpack via msgspec, a typed decoder per inbox. No pickle anywhere."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from .blocks import AllocateStep, Allocation, FreeBlocks
+from .client import ClientToEngine, EngineToClient
+from .control import Roster, Stop, ToSupervisor
+from .step import AbortRequests, AddRequest, StatsQuery, StatsReply, StepPlan, StepResult, TokensOut
+
+T = TypeVar("T")
+
+EngineInbox = TokensOut | StatsReply | Roster | Stop
+SchedulerInbox = AddRequest | AbortRequests | Allocation | StepResult | StatsQuery | Stop
+BlockManagerInbox = AllocateStep | FreeBlocks | StatsQuery | Stop
+WorkerInbox = StepPlan | Stop
+SupervisorInbox = ToSupervisor
+
+DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+class Decoder(Generic[T]):
+    """Decodes one inbox's messages; raises one of `DecodeError` on bytes it cannot take."""
+
+    def __init__(self, inbox: Any):
+        self._decoder = msgspec.msgpack.Decoder(inbox)
+
+    def decode(self, data: bytes) -> T:
+        return self._decoder.decode(data)
+
+
+def peek_request_id(data: bytes) -> str | None:
+    """Best effort: the `request_id` of an undecodable client message, to address the error."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(raw, dict) and isinstance(raw.get("request_id"), str):
+        return raw["request_id"]
+    return None
+
+
+__all__ = [
+    "BlockManagerInbox",
+    "ClientToEngine",
+    "DecodeError",
+    "Decoder",
+    "EngineInbox",
+    "EngineToClient",
+    "SchedulerInbox",
+    "SupervisorInbox",
+    "WorkerInbox",
+    "encode",
+    "peek_request_id",
+]

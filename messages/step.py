@@ -1,0 +1,93 @@
+"""The hot path: Engine -> Scheduler -> Worker -> Scheduler -> Engine, one step at a time.
+
+Token counts, for one request: `token_ids` = prompt + sampled tokens so far; the Worker has computed
+KV for the first `num_computed` of them; a step computes the next `num_new_tokens`. A step samples
+a token for a request exactly when it reaches the end of `token_ids` (a decode, or a prefill's last
+chunk); a partial prefill chunk samples nothing.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .common import FinishReason, SamplingParams
+from .client import EngineStats
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """Engine -> Scheduler. `output_token_ids` are tokens already sent to the client (resumption)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = []
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class RequestOutput(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    request_id: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+
+
+class TokensOut(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Scheduler -> Engine after each step: new tokens and finishes (aborts included)."""
+
+    outputs: list[RequestOutput]
+
+
+class NewRequest(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """A request the Worker has not seen (or has dropped after preemption), in full."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_new_tokens: int
+    params: SamplingParams
+    num_computed_tokens: int = 0
+
+
+class RunningUpdate(msgspec.Struct, array_like=True, gc=False):
+    """A request already in the Worker's persistent batch: only what changed."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_new_tokens: int
+
+
+class StepPlan(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """Scheduler -> Worker. `removed` (finished, aborted, preempted) is applied before the rest."""
+
+    step_id: int
+    removed: list[str]
+    running: list[RunningUpdate]
+    new: list[NewRequest]
+
+
+class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False, omit_defaults=True):
+    """Worker -> Scheduler: `token_ids[i]` was sampled for `request_ids[i]`."""
+
+    step_id: int
+    request_ids: list[str]
+    token_ids: list[int]
+    forward_s: float = 0.0
+    error: str | None = None
+
+
+class StatsQuery(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """Engine -> Scheduler -> BlockManager; the BlockManager answers the Engine with StatsReply.
+
+    Riding the same sockets as frees, the reply counts every free sent before the query.
+    """
+
+    query_id: str
+    stats: EngineStats = msgspec.field(default_factory=EngineStats)
+
+
+class StatsReply(msgspec.Struct, tag=True, array_like=True):
+    query_id: str
+    stats: EngineStats

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Idempotent set-up: .venv, the CPU torch wheel first (a bare `torch` would pull a CUDA build),
+# then the project in editable mode with its dev extras. Fast when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+. .venv/bin/activate
+python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
+stamp=.venv/.actorserve-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    pip install -q --upgrade pip >/dev/null 2>&1 || true
+    pip install -q -e '.[dev]'
+    touch "$stamp"
+fi

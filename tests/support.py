@@ -1,0 +1,141 @@
+"""Test helpers: Hugging Face's greedy output as the oracle, prompts of chosen token lengths."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from actorserve.gateway.client import AsyncClient, Client
+from actorserve.messages.common import SamplingParams
+
+PROMPT_LENGTHS = [1, 2, 5, 9, 16, 17, 31, 48, 64, 100, 128, 129, 200, 313, 431, 500]
+
+
+@functools.cache
+def hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    return model.eval()
+
+
+@functools.cache
+def tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Transformers' greedy continuation (stops at EOS like the engine), fp32 on CPU."""
+    model = hf_model(model_dir)
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def prompts_of_lengths(model_dir: Path, lengths=PROMPT_LENGTHS) -> list[list[int]]:
+    """Token-id prompts of exactly these lengths, cut from a long tokenized text."""
+    import inspect
+
+    text = inspect.getsource(asyncio.base_events)
+    ids = tokenizer(model_dir).encode(text)
+    return [ids[i * 37 % 1000 : i * 37 % 1000 + n] for i, n in enumerate(lengths)]
+
+
+async def _collect(client: AsyncClient, prompt, params: SamplingParams):
+    text, ids, last = [], [], None
+    async for last in client.generate(prompt, params):
+        text.append(last.text)
+        ids.extend(last.token_ids)
+    return "".join(text), ids, last
+
+
+def raw_exchange(address: str, data: bytes, timeout_s: float = 30.0):
+    """Send raw bytes on a fresh DEALER socket; decode the one reply the engine sends."""
+    import zmq
+
+    from actorserve.messages.client import EngineToClient
+    from actorserve.messages.codec import Decoder
+
+    ctx = zmq.Context()
+    socket = ctx.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    try:
+        socket.connect(address)
+        socket.send(data)
+        return Decoder(EngineToClient).decode(socket.recv())
+    finally:
+        socket.close()
+        ctx.term()
+
+
+def generate_concurrently(address: str, prompts, params: SamplingParams):
+    """Submit every prompt at once through the SDK; [(text, token ids, last delta)] in order."""
+
+    async def run():
+        async with AsyncClient(address, timeout_s=120) as client:
+            return await asyncio.gather(*[_collect(client, p, params) for p in prompts])
+
+    return asyncio.run(run())
+
+
+class EngineServer:
+    """`actorserve serve` in a subprocess: the supervisor and its four actor processes."""
+
+    def __init__(self, model: Path, *flags: str, ready_timeout_s: float = 180.0):
+        self.run_dir = tempfile.mkdtemp(prefix="actorserve-test-")
+        self.address = f"ipc://{self.run_dir}/engine.sock"
+        cmd = [sys.executable, "-m", "actorserve.cli", "serve", "--model", str(model),
+               "--address", self.address, "--torch-threads", "2", *flags]
+        self.log_path = Path(self.run_dir) / "serve.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        line = self._read_line(ready_timeout_s)
+        if "serving" not in line:
+            self.proc.kill()
+            raise RuntimeError(f"engine did not start: {line!r}\n{self.log_path.read_text()}")
+        self.client = Client(self.address, timeout_s=120)
+
+    def _read_line(self, timeout_s: float) -> str:
+        result = [""]
+        reader = threading.Thread(target=lambda: result.__setitem__(0, self.proc.stdout.readline()))
+        reader.start()
+        reader.join(timeout_s)
+        return result[0]
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_blocks_free(self, timeout_s: float = 10.0):
+        """Health stats once every KV block is back in the pool (or the last seen on timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.client.health().stats
+            if stats.blocks_free == stats.blocks_total or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        self.client.close()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self._log.close()
+        return code

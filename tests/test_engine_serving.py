@@ -1,0 +1,166 @@
+"""Serving behaviour through the real processes: seeds, aborts, bad input, the process tree, CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import msgspec
+import pytest
+from support import (
+    EngineServer,
+    generate_concurrently,
+    prompts_of_lengths,
+    raw_exchange,
+    tokenizer,
+)
+
+from actorserve.gateway.client import AsyncClient, EngineError
+from actorserve.messages.client import ErrorReply, GenerateRequest
+from actorserve.messages.codec import encode
+from actorserve.messages.common import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    server = EngineServer(llama_dir, "--max-model-len", "1024")
+    yield server
+    assert server.stop() == 0
+
+
+def test_same_seed_gives_same_tokens_alone_and_inside_a_batch(llama_dir, engine):
+    prompts = prompts_of_lengths(llama_dir, [12, 40, 7, 90, 3, 60])
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=20,
+                            ignore_eos=True)
+    (_, alone, _), = generate_concurrently(engine.address, [prompts[0]], seeded)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+
+    async def batch():
+        async with AsyncClient(engine.address, timeout_s=60) as client:
+            async def collect(prompt, params):
+                return [t async for d in client.generate(prompt, params) for t in d.token_ids]
+
+            others = [collect(p, unseeded) for p in prompts[1:]]
+            return await asyncio.gather(collect(prompts[0], seeded), *others)
+
+    in_batch = asyncio.run(batch())[0]
+    assert in_batch == alone and len(alone) == 20
+    (_, other_seed, _), = generate_concurrently(
+        engine.address, [prompts[0]], msgspec.structs.replace(seeded, seed=99))
+    assert other_seed != alone
+
+
+def test_streamed_text_is_the_decoded_tokens_and_never_broken_utf8(llama_dir, engine):
+    prompt = "Größe: 🚀 naïve café — 東京 "
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
+    pieces = []
+
+    async def run():
+        async with AsyncClient(engine.address, timeout_s=60) as client:
+            async for delta in client.generate(prompt, params):
+                pieces.append(delta)
+
+    asyncio.run(run())
+    ids = [t for d in pieces for t in d.token_ids]
+    assert all("\ufffd" not in d.text for d in pieces)
+    full = tokenizer(llama_dir).decode(ids, skip_special_tokens=True)
+    assert full.startswith("".join(d.text for d in pieces))
+    assert pieces[-1].finish_reason.value == "length" and pieces[-1].completion_tokens == 40
+
+
+def test_abort_mid_stream_ends_with_abort_and_frees_every_block(llama_dir, engine):
+    prompt = prompts_of_lengths(llama_dir, [300])[0]
+
+    async def run():
+        async with AsyncClient(engine.address, timeout_s=60) as client:
+            deltas = []
+            stream = client.generate(prompt, SamplingParams(temperature=0.0, max_tokens=500,
+                                                            ignore_eos=True), request_id="to-abort")
+            async for delta in stream:
+                deltas.append(delta)
+                if len(deltas) == 3:
+                    await client.abort("to-abort")
+            return deltas
+
+    deltas = asyncio.run(run())
+    assert deltas[-1].finish_reason.value == "abort"
+    assert len(deltas) < 100
+    stats = engine.wait_blocks_free()
+    assert stats.blocks_free == stats.blocks_total and stats.num_running == 0
+
+
+BAD_REQUESTS = [
+    ({"prompt_token_ids": [5] * 1024}, "max_model_len"),
+    ({"prompt": "hi", "params": {"max_tokens": 0}}, "max_tokens"),
+    ({"prompt": "hi", "params": {"temperature": -0.5}}, "temperature"),
+    ({"prompt": "hi", "params": {"top_p": 0.0}}, "top_p"),
+    ({"prompt": "hi", "params": {"top_p": 1.5}}, "top_p"),
+    ({"prompt": "hi", "params": {"temprature": 1.0}}, "temprature"),
+    ({"prompt": "hi", "params": {"max_tokens": "ten"}}, "max_tokens"),
+    ({"prompt": 42}, "prompt"),
+    ({"prompt_token_ids": [1, 99999999]}, "vocab_size"),
+    ({}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("fields, named", BAD_REQUESTS, ids=[n for _, n in BAD_REQUESTS])
+def test_bad_input_gets_a_clear_error_and_the_engine_keeps_serving(engine, fields, named):
+    raw = msgspec.msgpack.encode({"type": "GenerateRequest", "request_id": "bad", **fields})
+    error = raw_exchange(engine.address, raw)
+    assert isinstance(error, ErrorReply)
+    assert error.code == "invalid_request" and error.request_id == "bad"
+    assert named in error.message
+    ok = engine.client.complete("Hello", SamplingParams(max_tokens=3))
+    assert ok.finish_reason.value == "length" and len(ok.token_ids) == 3
+
+
+def test_garbage_bytes_on_the_client_socket_get_an_error_and_harm_nothing(engine):
+    for garbage in [b"\xc1\xff\x00 definitely not msgpack",
+                    encode(GenerateRequest("x", "hi")) + b"trailing",
+                    msgspec.msgpack.encode({"type": "NoSuchMessage"})]:
+        error = raw_exchange(engine.address, garbage)
+        assert isinstance(error, ErrorReply) and error.code == "invalid_request"
+        assert "invalid message" in error.message
+    ok = engine.client.complete("Hello", SamplingParams(max_tokens=4))
+    assert ok.completion_tokens == 4
+    assert engine.proc.poll() is None
+
+
+def test_sdk_raises_a_typed_error_for_a_refused_request(engine):
+    async def run():
+        async with AsyncClient(engine.address, timeout_s=30) as client:
+            async for _ in client.generate("hi", SamplingParams(temperature=-1)):
+                pass
+
+    with pytest.raises(EngineError, match="temperature must be >= 0") as info:
+        asyncio.run(run())
+    assert info.value.code == "invalid_request"
+
+
+def parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_four_actors_are_distinct_live_processes_under_the_supervisor(engine):
+    actors = {a.name: a for a in engine.client.health().actors}
+    assert set(actors) == {"engine", "scheduler", "block_manager", "worker"}
+    pids = {a.pid for a in actors.values()}
+    assert len(pids) == 4 and engine.proc.pid not in pids
+    for actor in actors.values():
+        assert actor.state == "ready"
+        os.kill(actor.pid, 0)  # alive
+        assert parent_pid(actor.pid) == engine.proc.pid
+
+
+def test_cli_generate_streams_a_completion_through_a_running_engine(engine):
+    out = subprocess.run(
+        [sys.executable, "-m", "actorserve.cli", "generate", "--address", engine.address,
+         "--prompt", "def main():", "--max-tokens", "12", "--ignore-eos"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+    assert "12 tokens" in out.stderr

@@ -1,0 +1,411 @@
+"""Triton paged attention and KV store against the torch reference (and the reference against a
+naive per-token loop). On CPU the kernels run in Triton's interpreter (conftest sets
+TRITON_INTERPRET=1), so the cases are small; `gpu`-marked cases are larger and need CUDA.
+
+Tolerances (max |kernel - reference| allowed, elementwise atol + rtol * |reference|):
+    fp32: atol 2e-5, rtol 2e-5  (fp32 dots, "ieee" precision on GPU)
+    fp16: atol 5e-3, rtol 1e-2  (inputs and the softmax probabilities fed to P @ V are fp16)
+    bf16: atol 3e-2, rtol 3e-2  (GPU only: the interpreter has no native bf16 dot)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from actorserve.kernels import reference
+from actorserve.kernels.paged_attention import LaunchConfig, choose_config, paged_attention
+from actorserve.kernels.store_kv import store_kv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCES = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=5e-3, rtol=1e-2),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def gpu_test(fn):
+    return pytest.mark.gpu(requires_cuda(fn))
+
+
+@dataclasses.dataclass
+class Batch:
+    """One paged-attention call's inputs; block ids are a random permutation of the cache's
+    blocks, and table entries past a sequence's blocks hold an out-of-range id (never read)."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    scale: float
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
+                self.query_start_loc, self.scale)
+
+
+def make_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    *,
+    block_size: int = 16,
+    num_q_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: str = DEVICE,
+) -> Batch:
+    assert len(query_lens) == len(seq_lens)
+    assert all(1 <= n <= s for n, s in zip(query_lens, seq_lens, strict=True))
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks hold junk no sequence owns
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    max_blocks = max(blocks_per_seq) + 2
+    block_tables = torch.full((len(seq_lens), max_blocks), num_blocks + 1000, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        block_tables[b, :n] = ids[used : used + n]
+        used += n
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn((starts[-1], num_q_heads, head_dim), generator=gen).to(dtype)
+    return Batch(
+        q=q.to(device),
+        k_cache=k_cache.to(device),
+        v_cache=v_cache.to(device),
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        scale=head_dim**-0.5,
+    )
+
+
+def naive_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+    """The oracle of the oracle: one query token and one head at a time, keys fetched one cache
+    position at a time through the block table, softmax in float64."""
+    block_size = k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_len = starts[b + 1] - starts[b]
+        for i in range(q_len):
+            token = starts[b] + i
+            position = seq_len - q_len + i
+            keys, values = [], []
+            for p in range(position + 1):
+                block = int(block_tables[b, p // block_size])
+                keys.append(k_cache[block, p % block_size])
+                values.append(v_cache[block, p % block_size])
+            k = torch.stack(keys).double().cpu()  # [position + 1, Hkv, D]
+            v = torch.stack(values).double().cpu()
+            for h in range(q.shape[1]):
+                scores = k[:, h // group] @ q[token, h].double().cpu() * scale
+                out[token, h] = torch.softmax(scores, dim=0) @ v[:, h // group]
+    return out
+
+
+def assert_matches_reference(batch: Batch, **kwargs) -> torch.Tensor:
+    out = paged_attention(*batch.args(), **kwargs)
+    expected = reference.paged_attention(*batch.args())
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    torch.testing.assert_close(out, expected, **TOLERANCES[batch.q.dtype])
+    return out
+
+
+# --- the reference itself ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "query_lens, seq_lens, block_size, heads",
+    [
+        ([1, 1, 1], [1, 17, 40], 16, (4, 1)),  # decodes only, GQA 4
+        ([5, 1, 9], [5, 23, 30], 8, (4, 2)),  # prefill, decode, chunk with cached prefix
+        ([16, 3], [32, 3], 16, (2, 2)),  # chunk exactly one block after a one-block prefix
+    ],
+)
+def test_reference_matches_naive_per_token_loop(query_lens, seq_lens, block_size, heads):
+    batch = make_batch(query_lens, seq_lens, block_size=block_size, num_q_heads=heads[0],
+                       num_kv_heads=heads[1], head_dim=16, device="cpu")
+    expected = naive_paged_attention(*batch.args())
+    out = reference.paged_attention(*batch.args())
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_ignores_garbage_block_table_entries_in_decode():
+    batch = make_batch([1, 1], [3, 40], block_size=8, device="cpu")
+    assert int(batch.block_tables[0, 1]) >= batch.k_cache.shape[0]  # garbage past block 0
+    expected = naive_paged_attention(*batch.args())
+    out = reference.paged_attention(*batch.args())
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+# --- paged attention: batch shapes ------------------------------------------------------------
+
+
+def test_decode_only_batch():
+    assert_matches_reference(make_batch([1, 1, 1, 1], [7, 33, 64, 100]), num_kv_splits=1)
+
+
+def test_prefill_only_batch():
+    assert_matches_reference(make_batch([12, 30, 1 + 16], [12, 30, 17]))
+
+
+def test_mixed_prefill_and_decode_in_one_call():
+    assert_matches_reference(make_batch([1, 20, 1, 7, 1], [50, 20, 9, 7, 130]))
+
+
+def test_prefill_chunk_attends_to_cached_prefix():
+    # chunks of 24 and 9 queries after cached prefixes of 40 and 23 positions
+    assert_matches_reference(make_batch([24, 9], [64, 32], block_size=8))
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_context_lengths_at_block_edges(block_size):
+    """Lengths 1, one short of a block, exactly one block, one past it, not a multiple."""
+    lens = [1, block_size - 1, block_size, block_size + 1, 2 * block_size + 3]
+    assert_matches_reference(make_batch([1] * len(lens), lens, block_size=block_size))
+    # the same lengths as whole prefills, where the causal mask does the work
+    assert_matches_reference(make_batch(lens, lens, block_size=block_size, seed=1))
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_block_sizes_with_shuffled_block_ids(block_size):
+    batch = make_batch([1, 6, 1], [45, 37, 70], block_size=block_size, seed=block_size)
+    ids = batch.block_tables[2, : -(-70 // block_size)]
+    assert not torch.equal(ids.sort().values, ids)  # the table really is shuffled
+    assert_matches_reference(batch)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_gqa_ratios(group):
+    batch = make_batch([1, 11, 1], [29, 40, 3], num_q_heads=2 * group, num_kv_heads=2,
+                       seed=group)
+    assert_matches_reference(batch)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_head_dims_including_non_powers_of_two(head_dim):
+    assert_matches_reference(make_batch([1, 9], [36, 20], head_dim=head_dim, seed=head_dim))
+
+
+def test_fp16_within_stated_tolerance():
+    batch = make_batch([1, 14, 1], [70, 30, 18], num_q_heads=8, num_kv_heads=2,
+                       dtype=torch.float16, head_dim=96)
+    assert_matches_reference(batch)
+
+
+def test_query_view_with_row_stride_from_fused_qkv():
+    batch = make_batch([1, 10], [25, 10], num_q_heads=4, num_kv_heads=2)
+    t, h, d = batch.q.shape
+    qkv = torch.randn(t, (h + 4) * d, device=DEVICE)
+    qkv[:, : h * d] = batch.q.reshape(t, h * d)
+    batch.q = qkv[:, : h * d].view(t, h, d)  # row stride (h + 4) * d, not h * d
+    assert not batch.q.is_contiguous()
+    assert_matches_reference(batch)
+
+
+# --- paged attention: tiling and split-KV -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config, block_size",
+    [
+        (LaunchConfig(block_m=16, tile_n=16), 32),  # tile smaller than a block
+        (LaunchConfig(block_m=64, tile_n=64), 8),  # tile spans eight blocks
+        (LaunchConfig(block_m=128, tile_n=32), 16),  # many query tokens per program
+    ],
+)
+def test_tile_size_is_independent_of_block_size(config, block_size):
+    batch = make_batch([1, 19, 1, 40], [77, 45, 5, 40], block_size=block_size, seed=7)
+    assert_matches_reference(batch, config=config)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_split_kv_decode_matches_unsplit(splits):
+    # 8 splits of a context of 1..3 tiles leaves some splits empty
+    batch = make_batch([1, 1, 1], [1, 70, 130], num_q_heads=8, num_kv_heads=2)
+    split = assert_matches_reference(batch, num_kv_splits=splits)
+    unsplit = paged_attention(*batch.args(), num_kv_splits=1)
+    torch.testing.assert_close(split, unsplit, **TOLERANCES[batch.q.dtype])
+
+
+def test_split_kv_with_prefill_chunks_and_fp16():
+    batch = make_batch([1, 18, 1], [90, 50, 33], dtype=torch.float16, seed=3)
+    assert_matches_reference(batch, num_kv_splits=4)
+
+
+def test_config_chooses_split_kv_for_few_long_decodes_only():
+    def config(query_lens, seq_lens, **kw):
+        batch = make_batch(query_lens, seq_lens, num_q_heads=32, num_kv_heads=8,
+                           dtype=torch.float16, **kw)
+        return choose_config(batch.q, batch.k_cache, batch.block_tables, num_sms=132)
+
+    assert config([1], [500]).num_kv_splits > 1  # 8 programs cannot fill 132 SMs
+    assert config([1] * 300, [20] * 300).num_kv_splits == 1  # 2400 programs can
+    assert config([30, 1], [30, 500]).num_kv_splits == 1  # prefill chunks never split
+    assert config([1], [5]).num_kv_splits == 1  # table holds one 64-position tile: no split
+    assert config([1, 1], [40, 40]).block_m == 16  # one decode token x 4 heads, padded to 16
+    assert config([300], [300]).block_m == 128  # long prefill: big query blocks
+    with pytest.raises(ValueError, match="num_kv_splits must be in 1..64"):
+        LaunchConfig(num_kv_splits=0)
+    with pytest.raises(ValueError, match="block_m must be a power of two >= 16"):
+        LaunchConfig(block_m=24)
+
+
+def test_block_m_smaller_than_query_group_is_rejected():
+    batch = make_batch([1], [10], num_q_heads=32, num_kv_heads=1)
+    with pytest.raises(ValueError, match=r"config.block_m \(16\) must be >= Hq // Hkv \(32\)"):
+        paged_attention(*batch.args(), config=LaunchConfig(block_m=16))
+
+
+# --- paged attention: argument checks ---------------------------------------------------------
+
+
+def _replace(batch: Batch, **changes) -> tuple:
+    return dataclasses.replace(batch, **changes).args()
+
+
+BAD_ATTENTION_ARGS = [
+    ("q 2-D", lambda b: _replace(b, q=b.q[:, 0]), r"q must be \[T, Hq, D\]"),
+    ("int q", lambda b: _replace(b, q=b.q.int(), k_cache=b.k_cache.int(), v_cache=b.v_cache.int()),
+     "q dtype must be float16, bfloat16 or float32"),
+    ("cache dtype", lambda b: _replace(b, k_cache=b.k_cache.half()),
+     "k_cache dtype torch.float16 must equal q dtype torch.float32"),
+    ("cache 3-D", lambda b: _replace(b, k_cache=b.k_cache[0]), r"k_cache must be \[num_blocks"),
+    ("v shape", lambda b: _replace(b, v_cache=b.v_cache[:-1]), "v_cache shape .* must equal"),
+    ("head dim", lambda b: _replace(b, q=b.q[..., :32].contiguous()),
+     "k_cache head_dim 64 must equal q head_dim 32"),
+    ("gqa", lambda b: _replace(b, q=b.q[:, :3].contiguous()),
+     r"q heads \(3\) must be a multiple of k_cache heads \(2\)"),
+    ("q stride", lambda b: _replace(b, q=b.q.transpose(0, 2).contiguous().transpose(0, 2)),
+     "q must be contiguous in its last"),
+    ("table dtype", lambda b: _replace(b, block_tables=b.block_tables.long()),
+     "block_tables must be a 2-D int32 tensor"),
+    ("seq_lens len", lambda b: _replace(b, seq_lens=b.seq_lens[:1]),
+     r"seq_lens must be int32 of shape \[B\]=\(2,\)"),
+    ("seq_lens dtype", lambda b: _replace(b, seq_lens=b.seq_lens.long()),
+     "seq_lens must be int32"),
+    ("qsl len", lambda b: _replace(b, query_start_loc=b.query_start_loc[:2]),
+     r"query_start_loc must be int32 of shape \[B\+1\]=\(3,\)"),
+]
+
+
+@pytest.mark.parametrize("name, mutate, message", BAD_ATTENTION_ARGS, ids=lambda x: None)
+def test_paged_attention_rejects_bad_arguments(name, mutate, message):
+    batch = make_batch([1, 3], [9, 3])
+    with pytest.raises(ValueError, match=message):
+        paged_attention(*mutate(batch))
+
+
+# --- store_kv ---------------------------------------------------------------------------------
+
+
+def _caches(num_blocks=6, block_size=8, num_kv_heads=2, head_dim=80, dtype=torch.float32):
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return (torch.randn(shape).to(dtype).to(DEVICE), torch.randn(shape).to(dtype).to(DEVICE))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_store_kv_writes_rows_at_slots_and_skips_minus_one(cache_dtype):
+    torch.manual_seed(0)
+    k_cache, v_cache = _caches(dtype=cache_dtype)
+    k = torch.randn(5, 2, 80, device=DEVICE)
+    v = torch.randn(5, 2, 80, device=DEVICE)
+    slots = torch.tensor([3, -1, 17, 47, -1], device=DEVICE)  # 47 = last slot of block 5
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    store_kv(k, v, k_cache, v_cache, slots)
+
+    expected_k, expected_v = before_k.clone(), before_v.clone()
+    reference.store_kv(k, v, expected_k, expected_v, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert torch.equal(k_cache[2, 1], k[2].to(cache_dtype))  # slot 17 = block 2, offset 1
+    flat_k = k_cache.view(-1, 2, 80)
+    untouched = [s for s in range(48) if s not in (3, 17, 47)]
+    assert torch.equal(flat_k[untouched], before_k.view(-1, 2, 80)[untouched])
+
+
+def test_store_kv_with_int32_slots_then_attention_sees_the_new_tokens():
+    batch = make_batch([4, 1], [12, 21], block_size=8, num_q_heads=4, num_kv_heads=2)
+    gen = torch.Generator().manual_seed(5)
+    k_new = torch.randn(5, 2, 64, generator=gen).to(DEVICE)
+    v_new = torch.randn(5, 2, 64, generator=gen).to(DEVICE)
+    slots = []
+    for b, (q_len, seq_len) in enumerate([(4, 12), (1, 21)]):
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(int(batch.block_tables[b, pos // 8]) * 8 + pos % 8)
+    slot_mapping = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    store_kv(k_new, v_new, batch.k_cache, batch.v_cache, slot_mapping)
+    block, offset = divmod(slots[-1], 8)
+    assert torch.equal(batch.k_cache[block, offset], k_new[-1])
+    assert_matches_reference(batch)
+
+
+BAD_STORE_ARGS = [
+    ("k heads", lambda k, v, kc, vc, s: (k[:, :1], v[:, :1], kc, vc, s),
+     r"k must be \[T, Hkv, D\] = \[T, 2, 80\]"),
+    ("v shape", lambda k, v, kc, vc, s: (k, v[:2], kc, vc, s), "v shape .* must equal k shape"),
+    ("float slots", lambda k, v, kc, vc, s: (k, v, kc, vc, s.float()),
+     "slot_mapping must be int32 or int64"),
+    ("slot count", lambda k, v, kc, vc, s: (k, v, kc, vc, s[:2]),
+     r"slot_mapping must be .* of shape \[T\]=\(3,\)"),
+    ("cache dtype", lambda k, v, kc, vc, s: (k, v, kc.int(), vc.int(), s),
+     "k_cache dtype must be float16, bfloat16 or float32"),
+    ("cache pair", lambda k, v, kc, vc, s: (k, v, kc, vc[:, :4], s), "v_cache shape .* must equal"),
+    ("int k", lambda k, v, kc, vc, s: (k.int(), v, kc, vc, s), "k must be a floating tensor"),
+]
+
+
+@pytest.mark.parametrize("name, mutate, message", BAD_STORE_ARGS, ids=lambda x: None)
+def test_store_kv_rejects_bad_arguments(name, mutate, message):
+    k_cache, v_cache = _caches()
+    k = torch.randn(3, 2, 80, device=DEVICE)
+    args = (k, k.clone(), k_cache, v_cache, torch.tensor([0, 1, -1], device=DEVICE))
+    with pytest.raises(ValueError, match=message):
+        store_kv(*mutate(*args))
+
+
+# --- real GPU only ----------------------------------------------------------------------------
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_large_mixed_batch(dtype):
+    query_lens = [1] * 24 + [300, 77, 1024]
+    seq_lens = [int(x) for x in torch.randint(1, 3000, (24,))] + [1500, 77, 1024]
+    batch = make_batch(query_lens, seq_lens, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                       dtype=dtype, seed=11)
+    assert_matches_reference(batch)
+
+
+@gpu_test
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_gpu_long_decodes_take_split_kv_automatically(head_dim):
+    batch = make_batch([1, 1], [8000, 3001], num_q_heads=32, num_kv_heads=8, head_dim=head_dim,
+                       dtype=torch.bfloat16, seed=head_dim)
+    assert choose_config(batch.q, batch.k_cache, batch.block_tables).num_kv_splits > 1
+    assert_matches_reference(batch)
+
+
+@gpu_test
+def test_gpu_store_kv_bf16():
+    k_cache, v_cache = _caches(num_blocks=512, block_size=16, num_kv_heads=8, head_dim=128,
+                               dtype=torch.bfloat16)
+    k = torch.randn(1000, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    slots = torch.randperm(512 * 16, device=DEVICE)[:1000]
+    slots[::7] = -1
+    expected = k_cache.clone(), v_cache.clone()
+    store_kv(k, k, k_cache, v_cache, slots)
+    reference.store_kv(k, k, *expected, slots)
+    assert torch.equal(k_cache, expected[0]) and torch.equal(v_cache, expected[1])
