@@ -38,13 +38,15 @@ ENGINE_FLAGS = [  # (flag, EngineConfig field, type)
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    parser.add_argument("--model", help="Hugging Face checkpoint directory")
     group = parser.add_argument_group("engine")
     for flag, field, kind in ENGINE_FLAGS:
         group.add_argument(flag, dest=field, type=kind, default=None)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    if not args.model:
+        raise ValueError("--model DIR is required to start an engine")
     given = {field: getattr(args, field) for _, field, _ in ENGINE_FLAGS
              if getattr(args, field) is not None}
     return EngineConfig(model=args.model, **given)
@@ -60,7 +62,11 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 async def serve(config: EngineConfig, address: str | None) -> int:
-    supervisor = Supervisor(config, address)
+    try:
+        supervisor = Supervisor(config, address)
+    except (ValueError, OSError) as exc:
+        logging.getLogger("actorserve").error("cannot serve: %s", exc)
+        return 1
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -88,7 +94,11 @@ async def serve(config: EngineConfig, address: str | None) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    config = engine_config(args)
+    try:
+        config = engine_config(args)
+    except ValueError as exc:
+        print(f"actorserve serve: {exc}", file=sys.stderr)
+        return 2
     try:
         import uvloop
 

@@ -41,6 +41,7 @@ LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
+COMBINE_NUM_WARPS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,21 +290,28 @@ def choose_config(
     num_seqs, max_blocks = block_tables.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group_rows = max(16, triton.next_power_of_2(num_q_heads // num_kv_heads))
-    fp32 = q.dtype == torch.float32
-    tile_n = 32 if fp32 or head_dim > 128 else 64
-    if num_tokens <= num_seqs:
+    decode_only = num_tokens <= num_seqs
+    if q.dtype == torch.float32:
+        # exact fp32 dots run on FMA units, not tensor cores: small tiles, 8 warps (no spills)
+        block_m, tile_n, num_warps, num_stages = group_rows, 32, 8, 2
+    elif decode_only:
+        block_m, tile_n, num_warps, num_stages = group_rows, 64 if head_dim <= 128 else 32, 4, 3
+    else:
+        block_m = 128 if num_tokens >= 32 * num_seqs and head_dim <= 128 else 64
+        block_m = max(block_m, group_rows)
+        tile_n = 64 if head_dim <= 128 else 32
+        num_warps = 8 if block_m >= 128 or head_dim > 128 else 4
+        num_stages = 2
+    splits = 1
+    if decode_only:
         if num_sms is None:
             num_sms = _num_sms(q.device.index or 0) if q.is_cuda else 0
         programs = max(1, num_seqs * num_kv_heads)
         target = 4 * num_sms
         max_tiles = triton.cdiv(max_blocks * block_size, tile_n)
-        splits = 1
         if programs < target:
             splits = max(1, min(MAX_SPLITS, triton.cdiv(target, programs), max_tiles))
-        return LaunchConfig(group_rows, tile_n, splits, num_warps=4, num_stages=2 if fp32 else 3)
-    block_m = 128 if num_tokens >= 32 * num_seqs and head_dim <= 128 and not fp32 else 64
-    block_m = max(block_m, group_rows)
-    return LaunchConfig(block_m, tile_n, 1, num_warps=8 if block_m >= 128 else 4, num_stages=2)
+    return LaunchConfig(block_m, tile_n, splits, num_warps, num_stages)
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
@@ -368,6 +376,28 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) 
         )
 
 
+def kernel_constexprs(
+    head_dim: int, group: int, block_size: int, fp32: bool, config: LaunchConfig
+) -> tuple[dict, dict | None]:
+    """Compile-time parameters of `_paged_attention_kernel` and, when split, of
+    `_combine_splits_kernel` (None otherwise); scripts/bench_kernels.py --compile-only uses them
+    too."""
+    d_pad = triton.next_power_of_2(head_dim)
+    splits = config.num_kv_splits
+    attention = dict(
+        HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group,
+        BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group, TILE_N=config.tile_n,
+        BLOCK_SIZE=block_size, NUM_SPLITS=splits, IEEE_FP32=fp32,
+    )
+    if splits == 1:
+        return attention, None
+    combine = dict(
+        HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=splits,
+        SPLITS_PAD=triton.next_power_of_2(splits),
+    )
+    return attention, combine
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -401,7 +431,9 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     d_pad = triton.next_power_of_2(head_dim)
-    block_q = config.block_m // group
+    consts, combine_consts = kernel_constexprs(
+        head_dim, group, block_size, q.dtype == torch.float32, config
+    )
     splits = config.num_kv_splits
     if splits > 1:
         part_acc = torch.empty(
@@ -413,7 +445,7 @@ def paged_attention(
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # unused by the NUM_SPLITS == 1 specialisation
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
+    grid = (num_tokens // consts["BLOCK_Q"] + num_seqs, num_kv_heads, splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         part_acc, part_m, part_l,
@@ -424,19 +456,15 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
-        HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group,
-        BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n,
-        BLOCK_SIZE=block_size, NUM_SPLITS=splits,
-        IEEE_FP32=q.dtype == torch.float32,
+        **consts,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
             out, part_acc, part_m, part_l,
             num_q_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad,
-            NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-            num_warps=4,
+            **combine_consts,
+            num_warps=COMBINE_NUM_WARPS,
         )
     return out
 

@@ -38,12 +38,17 @@ def tokenizer(model_dir: Path):
 
 def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Transformers' greedy continuation (stops at EOS like the engine), fp32 on CPU."""
+    return list(_hf_greedy(model_dir, tuple(prompt_ids), max_new_tokens))
+
+
+@functools.cache
+def _hf_greedy(model_dir: Path, prompt_ids: tuple[int, ...], max_new_tokens: int):
     model = hf_model(model_dir)
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+    return tuple(out[0, len(prompt_ids):].tolist())
 
 
 def prompts_of_lengths(model_dir: Path, lengths=PROMPT_LENGTHS) -> list[list[int]]:

@@ -52,7 +52,7 @@ def test_same_seed_gives_same_tokens_alone_and_inside_a_batch(llama_dir, engine)
     assert other_seed != alone
 
 
-def test_streamed_text_is_the_decoded_tokens_and_never_broken_utf8(llama_dir, engine):
+def test_streamed_text_is_the_decoded_tokens_split_only_between_characters(llama_dir, engine):
     prompt = "Größe: 🚀 naïve café — 東京 "
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
     pieces = []
@@ -64,9 +64,11 @@ def test_streamed_text_is_the_decoded_tokens_and_never_broken_utf8(llama_dir, en
 
     asyncio.run(run())
     ids = [t for d in pieces for t in d.token_ids]
-    assert all("\ufffd" not in d.text for d in pieces)
     full = tokenizer(llama_dir).decode(ids, skip_special_tokens=True)
-    assert full.startswith("".join(d.text for d in pieces))
+    streamed = "".join(d.text for d in pieces)
+    # A random model may emit invalid bytes (decoded as U+FFFD by both); splitting adds none,
+    # and at most the bytes of one unfinished character are held back at the end.
+    assert full.startswith(streamed) and len(full) - len(streamed) <= 1
     assert pieces[-1].finish_reason.value == "length" and pieces[-1].completion_tokens == 40
 
 
