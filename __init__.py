@@ -1,1 +1,18 @@
-"""actorserve: vLLM's design as an asyncio actor microkernel over ZeroMQ."""
+"""actorserve: vLLM's design as an asyncio actor microkernel over ZeroMQ.
+
+Doors: `LLM` (offline), `Client` / `AsyncClient` (ZeroMQ SDK), the `actorserve` CLI.
+"""
+
+from .gateway.client import AsyncClient, Client, EngineError
+from .messages.common import FinishReason, SamplingParams
+from .offline import LLM, Completion
+
+__all__ = [
+    "LLM",
+    "AsyncClient",
+    "Client",
+    "Completion",
+    "EngineError",
+    "FinishReason",
+    "SamplingParams",
+]

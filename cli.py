@@ -1,8 +1,8 @@
 """`actorserve` command line: serve, generate. The one module that wires supervisor and SDK.
 
-    actorserve serve --model DIR [--address tcp://127.0.0.1:PORT | ipc://PATH]
-    actorserve generate --model DIR --prompt "..." [--max-tokens N --temperature T --top-p P
-                        --seed S] [--address ADDR to use a running engine]
+actorserve serve --model DIR [--address tcp://127.0.0.1:PORT | ipc://PATH]
+actorserve generate --model DIR --prompt "..." [--max-tokens N --temperature T --top-p P
+                    --seed S] [--address ADDR to use a running engine]
 """
 
 from __future__ import annotations
@@ -47,15 +47,23 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     if not args.model:
         raise ValueError("--model DIR is required to start an engine")
-    given = {field: getattr(args, field) for _, field, _ in ENGINE_FLAGS
-             if getattr(args, field) is not None}
+    given = {
+        field: getattr(args, field)
+        for _, field, _ in ENGINE_FLAGS
+        if getattr(args, field) is not None
+    }
     return EngineConfig(model=args.model, **given)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                          ignore_eos=args.ignore_eos)
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
 
 
 # -- serve ------------------------------------------------------------------------------------
@@ -130,10 +138,12 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         n = last.completion_tokens if last else 0
         rate = (n - 1) / (elapsed - (first - started)) if n > 1 and first else 0.0
-        print(f"[{n} tokens in {elapsed:.2f} s, first after {(first or started) - started:.3f} s, "
-              f"{rate:.1f} tokens/s after it; finish: "
-              f"{last.finish_reason.value if last and last.finish_reason else '-'}]",
-              file=sys.stderr)
+        print(
+            f"[{n} tokens in {elapsed:.2f} s, first after {(first or started) - started:.3f} s, "
+            f"{rate:.1f} tokens/s after it; finish: "
+            f"{last.finish_reason.value if last and last.finish_reason else '-'}]",
+            file=sys.stderr,
+        )
         return 0
     except (SupervisorError, EngineError, ValueError) as exc:
         print(f"actorserve generate: {exc}", file=sys.stderr)
@@ -149,9 +159,11 @@ def main(argv: list[str] | None = None) -> int:
 
     p = commands.add_parser("serve", help="run the engine in the foreground for SDK clients")
     add_engine_flags(p)
-    p.add_argument("--address", default=None,
-                   help="client address (tcp://HOST:PORT or ipc://PATH); default ipc:// in the "
-                        "run directory")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="client address (tcp://HOST:PORT or ipc://PATH); default ipc:// in the run directory",
+    )
     p.set_defaults(func=run_serve)
 
     p = commands.add_parser("generate", help="stream one completion to stdout")

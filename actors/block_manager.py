@@ -25,7 +25,9 @@ class BlockManager(Actor):
     def __init__(self, config):
         super().__init__(config)
         if config.num_kv_blocks is None:
-            raise ValueError("num_kv_blocks must be resolved (from the Worker's Ready) before start")
+            raise ValueError(
+                "num_kv_blocks must be resolved (from the Worker's Ready) before start"
+            )
         self.pool = BlockPool(config.num_kv_blocks, config.block_size)
 
     def ready(self) -> Ready:

@@ -22,7 +22,9 @@ class IncrementalDetokenizer:
         """Append tokens and return the text they complete (maybe empty)."""
         self.tokens.extend(token_ids)
         decode = self.tokenizer.decode
-        prefix = decode(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        prefix = decode(
+            self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True
+        )
         text = decode(self.tokens[self.prefix_offset :], skip_special_tokens=True)
         if len(text) <= len(prefix) or text.endswith("\ufffd"):
             return ""

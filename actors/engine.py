@@ -88,8 +88,10 @@ class Engine(Actor):
                 self.on_client_message(identity, data)
             except Exception as exc:  # never let one client's message kill the engine
                 self.log.exception("client message failed")
-                self.reply(identity, ErrorReply(f"internal error: {exc}", "internal",
-                                                peek_request_id(data)))
+                self.reply(
+                    identity,
+                    ErrorReply(f"internal error: {exc}", "internal", peek_request_id(data)),
+                )
 
     def reply(self, identity: bytes, message) -> None:
         self.router.send_multipart([identity, encode(message)])
@@ -100,8 +102,10 @@ class Engine(Actor):
         try:
             message = self.client_decoder.decode(data)
         except DecodeError as exc:
-            self.reply(identity, ErrorReply(f"invalid message: {exc}", "invalid_request",
-                                            peek_request_id(data)))
+            self.reply(
+                identity,
+                ErrorReply(f"invalid message: {exc}", "invalid_request", peek_request_id(data)),
+            )
             return
         if isinstance(message, GenerateRequest):
             try:
@@ -121,9 +125,14 @@ class Engine(Actor):
         if rid in self.live:
             raise InvalidRequest(f"request_id {rid!r} is already in use by a live request")
         if len(self.live) >= self.config.max_live_requests:
-            self.reply(identity, ErrorReply(
-                f"too many live requests (max_live_requests={self.config.max_live_requests})",
-                "overloaded", rid))
+            self.reply(
+                identity,
+                ErrorReply(
+                    f"too many live requests (max_live_requests={self.config.max_live_requests})",
+                    "overloaded",
+                    rid,
+                ),
+            )
             return
         error = message.params.validate(self.facts.vocab_size)
         if error:
@@ -175,14 +184,21 @@ class Engine(Actor):
             text = live.detokenizer.add(output.token_ids) if output.token_ids else ""
             if output.finish_reason is not None:
                 del self.live[output.request_id]
-            delta = self._delta(output.request_id, live, text, output.token_ids,
-                                output.finish_reason)
+            delta = self._delta(
+                output.request_id, live, text, output.token_ids, output.finish_reason
+            )
             self.reply(live.identity, delta)
 
     @staticmethod
     def _delta(rid: str, live: LiveRequest, text: str, token_ids: list[int], reason) -> Delta:
-        return Delta(rid, text, token_ids, reason, len(live.request.prompt_token_ids),
-                     len(live.output_token_ids))
+        return Delta(
+            rid,
+            text,
+            token_ids,
+            reason,
+            len(live.request.prompt_token_ids),
+            len(live.output_token_ids),
+        )
 
     def on_stats_reply(self, message: StatsReply) -> None:
         waiter = self.health_waiters.pop(message.query_id, None)

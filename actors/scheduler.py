@@ -2,7 +2,8 @@
 
 Inbox: AddRequest, AbortRequests, StatsQuery (Engine); Allocation (BlockManager); StepResult
 (Worker); Stop.
-Outbox: AllocateStep, FreeBlocks, StatsQuery -> BlockManager; StepPlan -> Worker; TokensOut -> Engine.
+Outbox: AllocateStep, FreeBlocks, StatsQuery -> BlockManager; StepPlan -> Worker;
+TokensOut -> Engine.
 Owns: the waiting queue and running set, every request's tokens and computed-token count.
 Dies when: Stop, SIGTERM, or its supervisor goes away.
 
@@ -102,8 +103,10 @@ class Scheduler(Actor):
         for request in aborted:
             self._finish(request)
         if aborted:
-            self.send("engine", TokensOut([RequestOutput(r.request_id, [], FinishReason.ABORT)
-                                           for r in aborted]))
+            self.send(
+                "engine",
+                TokensOut([RequestOutput(r.request_id, [], FinishReason.ABORT) for r in aborted]),
+            )
 
     def _finish(self, request: Request) -> None:
         """Forget a request; its blocks go back to the pool (FreeBlocks precedes any new step)."""
@@ -213,8 +216,11 @@ class Scheduler(Actor):
         self.num_steps += 1
         if message.error is not None:
             self.report_error(f"step {message.step_id} failed in the worker: {message.error}")
-            outputs = [RequestOutput(r.request_id, [], FinishReason.ERROR) for r, _ in in_flight
-                       if r.request_id in self.requests]
+            outputs = [
+                RequestOutput(r.request_id, [], FinishReason.ERROR)
+                for r, _ in in_flight
+                if r.request_id in self.requests
+            ]
             for request, _ in in_flight:
                 if request.request_id in self.requests:
                     self._finish(request)
@@ -224,7 +230,9 @@ class Scheduler(Actor):
             self.send("engine", TokensOut(outputs))
         self.schedule()
 
-    def _apply(self, in_flight: list[tuple[Request, int]], result: StepResult) -> list[RequestOutput]:
+    def _apply(
+        self, in_flight: list[tuple[Request, int]], result: StepResult
+    ) -> list[RequestOutput]:
         for request, count in in_flight:
             request.num_computed += count
             if request.num_computed < len(request.token_ids):

@@ -64,7 +64,9 @@ class Supervisor:
         self.run_dir = tempfile.mkdtemp(prefix="actorserve-")  # mode 0700
         self.config = msgspec.structs.replace(
             self.config,
-            addresses=Addresses(self.run_dir, client_address or f"ipc://{self.run_dir}/client.sock"),
+            addresses=Addresses(
+                self.run_dir, client_address or f"ipc://{self.run_dir}/client.sock"
+            ),
         )
         self.actors: dict[str, ActorProcess] = {}
         self.failure: str | None = None
@@ -95,8 +97,12 @@ class Supervisor:
             raise
         self._send_roster()
         self._tasks.append(asyncio.create_task(self._monitor()))
-        log.info("serving %s at %s (pids: %s)", self.config.model, self.client_address,
-                 ", ".join(f"{a.name}={a.process.pid}" for a in self.actors.values()))
+        log.info(
+            "serving %s at %s (pids: %s)",
+            self.config.model,
+            self.client_address,
+            ", ".join(f"{a.name}={a.process.pid}" for a in self.actors.values()),
+        )
 
     def _spawn(self, name: str) -> None:
         env = dict(os.environ)
@@ -104,7 +110,9 @@ class Supervisor:
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         process = subprocess.Popen(
             [sys.executable, "-m", MODULES[name], self.config.to_json().decode()],
-            env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=sys.stderr,
         )
         self.actors[name] = ActorProcess(name, process)
 
@@ -114,19 +122,23 @@ class Supervisor:
         while actor.ready is None:
             code = actor.process.poll()
             if code is not None:
-                raise SupervisorError(f"actor {name} exited with code {code} before it was ready "
-                                      f"(its log is above)")
+                raise SupervisorError(
+                    f"actor {name} exited with code {code} before it was ready (its log is above)"
+                )
             if time.monotonic() > deadline:
-                raise SupervisorError(f"actor {name} did not send Ready within "
-                                      f"{self.config.ready_timeout_s:.0f} s")
+                raise SupervisorError(
+                    f"actor {name} did not send Ready within {self.config.ready_timeout_s:.0f} s"
+                )
             self._ready_changed.clear()
             try:
                 await asyncio.wait_for(self._ready_changed.wait(), 0.1)
             except asyncio.TimeoutError:
                 pass
         if actor.ready.protocol_version != PROTOCOL_VERSION:
-            raise SupervisorError(f"actor {name} speaks protocol {actor.ready.protocol_version}, "
-                                  f"the supervisor {PROTOCOL_VERSION}")
+            raise SupervisorError(
+                f"actor {name} speaks protocol {actor.ready.protocol_version}, "
+                f"the supervisor {PROTOCOL_VERSION}"
+            )
         return actor.ready
 
     # -- watch -------------------------------------------------------------------------------
@@ -160,8 +172,10 @@ class Supervisor:
             for actor in self.actors.values():
                 code = actor.process.poll()
                 if code is not None:
-                    self.failure = (f"actor {actor.name} (pid {actor.process.pid}) exited with "
-                                    f"code {code}; stopping the engine")
+                    self.failure = (
+                        f"actor {actor.name} (pid {actor.process.pid}) exited with "
+                        f"code {code}; stopping the engine"
+                    )
                     log.error(self.failure)
                     await self.stop()
                     return
@@ -236,8 +250,9 @@ class BackgroundSupervisor:
         self._config = config
         self._client_address = client_address
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name="supervisor")
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="supervisor"
+        )
         self.supervisor: Supervisor | None = None
 
     def start(self) -> str:

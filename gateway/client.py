@@ -57,8 +57,14 @@ class _Stream:
             self.pending = delta
         else:
             p = self.pending
-            self.pending = Delta(delta.request_id, p.text + delta.text, p.token_ids + delta.token_ids,
-                                 delta.finish_reason, delta.prompt_tokens, delta.completion_tokens)
+            self.pending = Delta(
+                delta.request_id,
+                p.text + delta.text,
+                p.token_ids + delta.token_ids,
+                delta.finish_reason,
+                delta.prompt_tokens,
+                delta.completion_tokens,
+            )
         self.event.set()
 
     def fail(self, error: ErrorReply) -> None:
@@ -162,7 +168,9 @@ class AsyncClient:
         try:
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
-            raise EngineUnavailable(f"no health reply from {self.address} in {timeout_s} s") from None
+            raise EngineUnavailable(
+                f"no health reply from {self.address} in {timeout_s} s"
+            ) from None
         finally:
             self._health.pop(rid, None)
 
@@ -188,8 +196,9 @@ class Client:
 
     def __init__(self, address: str, *, timeout_s: float | None = None):
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name="actorserve-client")
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="actorserve-client"
+        )
         self._thread.start()
         self._async = self._call(self._make(address, timeout_s))
 
@@ -200,8 +209,12 @@ class Client:
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                 request_id: str | None = None) -> Iterator[Delta]:
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Iterator[Delta]:
         stream = self._async.generate(prompt, params, request_id)
         try:
             while True:
@@ -218,8 +231,14 @@ class Client:
         for last in self.generate(prompt, params):
             text.append(last.text)
             ids.extend(last.token_ids)
-        return Delta(last.request_id, "".join(text), ids, last.finish_reason, last.prompt_tokens,
-                     last.completion_tokens)
+        return Delta(
+            last.request_id,
+            "".join(text),
+            ids,
+            last.finish_reason,
+            last.prompt_tokens,
+            last.completion_tokens,
+        )
 
     def abort(self, request_id: str) -> None:
         self._call(self._async.abort(request_id))

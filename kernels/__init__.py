@@ -1,8 +1,9 @@
-"""Paged attention and KV store behind one dispatch point (Triton on CUDA, torch reference on CPU)."""
+"""Paged attention and KV store behind one dispatch point: Triton on CUDA, torch reference on CPU."""
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

@@ -43,7 +43,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         if not 0.0 < self.top_p <= 1.0:
             return f"top_p must be in (0, 1], got {self.top_p}"
         if self.top_k < -1:
-            return f"top_k must be -1, 0 (disabled) or a positive number of tokens, got {self.top_k}"
+            return (
+                f"top_k must be -1, 0 (disabled) or a positive number of tokens, got {self.top_k}"
+            )
         if not 0.0 <= self.min_p <= 1.0:
             return f"min_p must be in [0, 1], got {self.min_p}"
         if self.max_tokens < 1:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import msgspec
 
-from .common import FinishReason, SamplingParams
 from .client import EngineStats
+from .common import FinishReason, SamplingParams
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
-    """Engine -> Scheduler. `output_token_ids` are tokens already sent to the client (resumption)."""
+    """Engine -> Scheduler. `output_token_ids`: tokens already sent to the client (resumption)."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -126,6 +126,7 @@ def _bench(fn) -> float:
 
 def _case(kind: str, batch: int, context: int, peak_tbps: float) -> Row:
     import torch
+
     from actorserve.kernels.paged_attention import choose_config, paged_attention
 
     dev = torch.device("cuda")
@@ -336,6 +337,7 @@ def _compile_cases(quick: bool):
 def run_compile_only(args) -> int:
     os.environ.pop("TRITON_INTERPRET", None)  # before any @triton.jit runs
     import torch
+
     from actorserve.kernels import paged_attention as attention
     from actorserve.kernels import store_kv as store
 

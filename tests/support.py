@@ -24,8 +24,9 @@ PROMPT_LENGTHS = [1, 2, 5, 9, 16, 17, 31, 48, 64, 100, 128, 129, 200, 313, 431, 
 def hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 
@@ -46,9 +47,14 @@ def _hf_greedy(model_dir: Path, prompt_ids: tuple[int, ...], max_new_tokens: int
     model = hf_model(model_dir)
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=0)
-    return tuple(out[0, len(prompt_ids):].tolist())
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=0,
+        )
+    return tuple(out[0, len(prompt_ids) :].tolist())
 
 
 def prompts_of_lengths(model_dir: Path, lengths=PROMPT_LENGTHS) -> list[list[int]]:
@@ -104,8 +110,19 @@ class EngineServer:
     def __init__(self, model: Path, *flags: str, ready_timeout_s: float = 180.0):
         self.run_dir = tempfile.mkdtemp(prefix="actorserve-test-")
         self.address = f"ipc://{self.run_dir}/engine.sock"
-        cmd = [sys.executable, "-m", "actorserve.cli", "serve", "--model", str(model),
-               "--address", self.address, "--torch-threads", "2", *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "actorserve.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--address",
+            self.address,
+            "--torch-threads",
+            "2",
+            *flags,
+        ]
         self.log_path = Path(self.run_dir) / "serve.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)

@@ -26,11 +26,13 @@ def test_a_request_gets_ceil_tokens_over_block_size_blocks():
 
 def test_running_requests_preempt_from_the_tail_of_the_priority_order():
     pool = BlockPool(4, 16)
-    pool.allocate_step([BlockNeed("a", 16, True), BlockNeed("b", 16, True),
-                        BlockNeed("c", 32, True)])
+    pool.allocate_step(
+        [BlockNeed("a", 16, True), BlockNeed("b", 16, True), BlockNeed("c", 32, True)]
+    )
     assert pool.num_free == 0
     granted, preempted, denied = pool.allocate_step(
-        [BlockNeed("a", 17, False), BlockNeed("b", 17, False), BlockNeed("c", 33, False)])
+        [BlockNeed("a", 17, False), BlockNeed("b", 17, False), BlockNeed("c", 33, False)]
+    )
     assert preempted == ["c"]  # the last one loses its blocks, a and b grow
     assert [g.request_id for g in granted] == ["a", "b"] and not denied
     assert "c" not in pool.tables and consistent(pool)
@@ -40,8 +42,9 @@ def test_a_request_preempts_itself_when_nothing_behind_it_can_give_way():
     pool = BlockPool(2, 16)
     pool.allocate_step([BlockNeed("a", 16, True)])
     pool.allocate_step([BlockNeed("b", 16, True)])
-    granted, preempted, _ = pool.allocate_step([BlockNeed("a", 16, False),
-                                                 BlockNeed("b", 17, False)])
+    granted, preempted, _ = pool.allocate_step(
+        [BlockNeed("a", 16, False), BlockNeed("b", 17, False)]
+    )
     assert [g.request_id for g in granted] == ["a"] and preempted == ["b"]
 
 
@@ -49,7 +52,12 @@ def test_new_requests_are_admitted_in_order_and_none_jumps_the_queue():
     pool = BlockPool(10, 16, watermark=0.1)
     pool.allocate_step([BlockNeed("running", 16, True)])
     granted, _, denied = pool.allocate_step(
-        [BlockNeed("running", 17, False), BlockNeed("big", 16 * 8, True), BlockNeed("small", 1, True)])
+        [
+            BlockNeed("running", 17, False),
+            BlockNeed("big", 16 * 8, True),
+            BlockNeed("small", 1, True),
+        ]
+    )
     assert [g.request_id for g in granted] == ["running"]
     assert denied == ["big", "small"]  # big would break the watermark; small must wait behind it
 
@@ -68,8 +76,9 @@ def test_free_is_idempotent():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("abcdef"), st.integers(1, 80), st.booleans()),
-                max_size=60))
+@given(
+    st.lists(st.tuples(st.sampled_from("abcdef"), st.integers(1, 80), st.booleans()), max_size=60)
+)
 def test_random_steps_keep_the_pool_consistent_and_everything_comes_back(ops):
     pool = BlockPool(12, 8)
     sizes: dict[str, int] = {}

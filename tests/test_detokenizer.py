@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from support import tokenizer
-
 from actorserve.actors.detokenizer import IncrementalDetokenizer
+from support import tokenizer
 
 TEXT = "Größe 🚀🚀 naïve café — 東京タワー def f(x):\n    return x ** 2  # ✓ done"
 

@@ -4,6 +4,8 @@ with many requests batched, under preemption, and with prompts prefilled in chun
 from __future__ import annotations
 
 import pytest
+
+from actorserve.messages.common import SamplingParams
 from support import (
     PROMPT_LENGTHS,
     EngineServer,
@@ -11,8 +13,6 @@ from support import (
     hf_greedy,
     prompts_of_lengths,
 )
-
-from actorserve.messages.common import SamplingParams
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -35,7 +35,7 @@ def qwen3_engine(qwen3_dir):
 def assert_matches_transformers(model_dir, address):
     prompts = prompts_of_lengths(model_dir)
     results = generate_concurrently(address, prompts, GREEDY)
-    for prompt, (text, ids, last) in zip(prompts, results):
+    for prompt, (_, ids, last) in zip(prompts, results):
         expected = hf_greedy(model_dir, prompt, MAX_TOKENS)
         assert ids == expected, f"prompt of {len(prompt)} tokens diverged"
         assert last.finish_reason.value in ("stop", "length")

@@ -9,6 +9,11 @@ import sys
 
 import msgspec
 import pytest
+
+from actorserve.gateway.client import AsyncClient, EngineError
+from actorserve.messages.client import ErrorReply, GenerateRequest
+from actorserve.messages.codec import encode
+from actorserve.messages.common import SamplingParams
 from support import (
     EngineServer,
     generate_concurrently,
@@ -16,11 +21,6 @@ from support import (
     raw_exchange,
     tokenizer,
 )
-
-from actorserve.gateway.client import AsyncClient, EngineError
-from actorserve.messages.client import ErrorReply, GenerateRequest
-from actorserve.messages.codec import encode
-from actorserve.messages.common import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +32,15 @@ def engine(llama_dir):
 
 def test_same_seed_gives_same_tokens_alone_and_inside_a_batch(llama_dir, engine):
     prompts = prompts_of_lengths(llama_dir, [12, 40, 7, 90, 3, 60])
-    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=20,
-                            ignore_eos=True)
-    (_, alone, _), = generate_concurrently(engine.address, [prompts[0]], seeded)
+    seeded = SamplingParams(
+        temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=20, ignore_eos=True
+    )
+    ((_, alone, _),) = generate_concurrently(engine.address, [prompts[0]], seeded)
     unseeded = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
 
     async def batch():
         async with AsyncClient(engine.address, timeout_s=60) as client:
+
             async def collect(prompt, params):
                 return [t async for d in client.generate(prompt, params) for t in d.token_ids]
 
@@ -47,8 +49,9 @@ def test_same_seed_gives_same_tokens_alone_and_inside_a_batch(llama_dir, engine)
 
     in_batch = asyncio.run(batch())[0]
     assert in_batch == alone and len(alone) == 20
-    (_, other_seed, _), = generate_concurrently(
-        engine.address, [prompts[0]], msgspec.structs.replace(seeded, seed=99))
+    ((_, other_seed, _),) = generate_concurrently(
+        engine.address, [prompts[0]], msgspec.structs.replace(seeded, seed=99)
+    )
     assert other_seed != alone
 
 
@@ -78,8 +81,11 @@ def test_abort_mid_stream_ends_with_abort_and_frees_every_block(llama_dir, engin
     async def run():
         async with AsyncClient(engine.address, timeout_s=60) as client:
             deltas = []
-            stream = client.generate(prompt, SamplingParams(temperature=0.0, max_tokens=500,
-                                                            ignore_eos=True), request_id="to-abort")
+            stream = client.generate(
+                prompt,
+                SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True),
+                request_id="to-abort",
+            )
             async for delta in stream:
                 deltas.append(delta)
                 if len(deltas) == 3:
@@ -119,9 +125,11 @@ def test_bad_input_gets_a_clear_error_and_the_engine_keeps_serving(engine, field
 
 
 def test_garbage_bytes_on_the_client_socket_get_an_error_and_harm_nothing(engine):
-    for garbage in [b"\xc1\xff\x00 definitely not msgpack",
-                    encode(GenerateRequest("x", "hi")) + b"trailing",
-                    msgspec.msgpack.encode({"type": "NoSuchMessage"})]:
+    for garbage in [
+        b"\xc1\xff\x00 definitely not msgpack",
+        encode(GenerateRequest("x", "hi")) + b"trailing",
+        msgspec.msgpack.encode({"type": "NoSuchMessage"}),
+    ]:
         error = raw_exchange(engine.address, garbage)
         assert isinstance(error, ErrorReply) and error.code == "invalid_request"
         assert "invalid message" in error.message
@@ -159,9 +167,22 @@ def test_four_actors_are_distinct_live_processes_under_the_supervisor(engine):
 
 def test_cli_generate_streams_a_completion_through_a_running_engine(engine):
     out = subprocess.run(
-        [sys.executable, "-m", "actorserve.cli", "generate", "--address", engine.address,
-         "--prompt", "def main():", "--max-tokens", "12", "--ignore-eos"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "actorserve.cli",
+            "generate",
+            "--address",
+            engine.address,
+            "--prompt",
+            "def main():",
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()

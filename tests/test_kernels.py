@@ -11,9 +11,15 @@ Tolerances (max |kernel - reference| allowed, elementwise atol + rtol * |referen
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
+
 from actorserve.kernels import reference
 from actorserve.kernels.paged_attention import LaunchConfig, choose_config, paged_attention
 from actorserve.kernels.store_kv import store_kv
@@ -188,7 +194,7 @@ def test_block_sizes_with_shuffled_block_ids(block_size):
     assert_matches_reference(batch)
 
 
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 3])  # 3: a query block with padding rows
 def test_gqa_ratios(group):
     batch = make_batch([1, 11, 1], [29, 40, 3], num_q_heads=2 * group, num_kv_heads=2,
                        seed=group)
@@ -214,6 +220,31 @@ def test_query_view_with_row_stride_from_fused_qkv():
     batch.q = qkv[:, : h * d].view(t, h, d)  # row stride (h + 4) * d, not h * d
     assert not batch.q.is_contiguous()
     assert_matches_reference(batch)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mixed_batches_across_shapes(seed):
+    """Seeded random batches: decodes, fresh prefills and chunks with a prefix, random block size,
+    GQA ratio, head_dim and dtype, each through the automatic config and forced split-KV."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    block_size, group, head_dim = pick([8, 16, 32]), pick([1, 2, 4, 8]), pick([64, 80, 96, 128])
+    dtype = pick([torch.float32, torch.float16])
+    query_lens, seq_lens = [], []
+    for _ in range(int(torch.randint(1, 5, (1,), generator=gen))):
+        kind = pick(["decode", "prefill", "chunk"])
+        seq_len = int(torch.randint(1, 90, (1,), generator=gen))
+        q_len = {"decode": 1, "prefill": seq_len,
+                 "chunk": int(torch.randint(1, seq_len + 1, (1,), generator=gen))}[kind]
+        query_lens.append(q_len)
+        seq_lens.append(seq_len)
+    batch = make_batch(query_lens, seq_lens, block_size=block_size, num_q_heads=2 * group,
+                       num_kv_heads=2, head_dim=head_dim, dtype=dtype, seed=seed)
+    assert_matches_reference(batch)
+    assert_matches_reference(batch, num_kv_splits=3)
 
 
 # --- paged attention: tiling and split-KV -------------------------------------------------------
@@ -374,6 +405,25 @@ def test_store_kv_rejects_bad_arguments(name, mutate, message):
     args = (k, k.clone(), k_cache, v_cache, torch.tensor([0, 1, -1], device=DEVICE))
     with pytest.raises(ValueError, match=message):
         store_kv(*mutate(*args))
+
+
+# --- compiled code paths, checked without a GPU -------------------------------------------------
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None,
+                    reason="Triton's NVIDIA backend (ptxas) is not installed")
+def test_kernels_compile_for_hopper_within_shared_memory():
+    """The interpreter never compiles; this builds every configuration the wrapper picks for the
+    benchmark shapes (and fp16 / fp32 / head_dim variants) for sm_90, through ptxas."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_kernels.py"), "--compile-only", "--quick",
+         "--arch", "90"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert ", 0 failed" in result.stdout
 
 
 # --- real GPU only ----------------------------------------------------------------------------

@@ -21,38 +21,45 @@ from actorserve.messages.step import NewRequest, RunningUpdate, StepPlan
 
 
 def test_a_step_plan_round_trips_through_the_workers_decoder():
-    plan = StepPlan(7, ["gone"], [RunningUpdate("a", [3], 1)],
-                    [NewRequest("b", [1, 2, 3], 3, [4], 3, SamplingParams(temperature=0.0))])
+    plan = StepPlan(
+        7,
+        ["gone"],
+        [RunningUpdate("a", [3], 1)],
+        [NewRequest("b", [1, 2, 3], 3, [4], 3, SamplingParams(temperature=0.0))],
+    )
     assert Decoder(WorkerInbox).decode(encode(plan)) == plan
 
 
 def test_an_inbox_refuses_a_message_meant_for_another_actor():
     with pytest.raises(DecodeError):
         Decoder(SchedulerInbox).decode(encode(AllocateStep(1, [BlockNeed("a", 3, True)])))
-    assert isinstance(Decoder(BlockManagerInbox).decode(encode(AllocateStep(1, []))),
-                      AllocateStep)
+    assert isinstance(Decoder(BlockManagerInbox).decode(encode(AllocateStep(1, []))), AllocateStep)
 
 
 def test_client_messages_name_the_bad_field():
     decoder = Decoder(ClientToEngine)
-    bad = msgspec.msgpack.encode({"type": "GenerateRequest", "request_id": "r",
-                                  "params": {"top_p": "high"}})
+    bad = msgspec.msgpack.encode(
+        {"type": "GenerateRequest", "request_id": "r", "params": {"top_p": "high"}}
+    )
     with pytest.raises(DecodeError, match=r"\$\.params\.top_p"):
         decoder.decode(bad)
     assert peek_request_id(bad) == "r"
     assert peek_request_id(b"\xc1") is None
 
 
-@pytest.mark.parametrize("params, field", [
-    (SamplingParams(max_tokens=0), "max_tokens"),
-    (SamplingParams(temperature=-1), "temperature"),
-    (SamplingParams(top_p=0), "top_p"),
-    (SamplingParams(top_k=-2), "top_k"),
-    (SamplingParams(min_p=2), "min_p"),
-    (SamplingParams(n=2), "n"),
-    (SamplingParams(min_tokens=9, max_tokens=3), "min_tokens"),
-    (SamplingParams(stop_token_ids=[10**9]), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        (SamplingParams(max_tokens=0), "max_tokens"),
+        (SamplingParams(temperature=-1), "temperature"),
+        (SamplingParams(top_p=0), "top_p"),
+        (SamplingParams(top_k=-2), "top_k"),
+        (SamplingParams(min_p=2), "min_p"),
+        (SamplingParams(n=2), "n"),
+        (SamplingParams(min_tokens=9, max_tokens=3), "min_tokens"),
+        (SamplingParams(stop_token_ids=[10**9]), "stop_token_ids"),
+    ],
+)
 def test_sampling_params_validation_names_field_and_limit(params, field):
     message = params.validate(vocab_size=1000)
     assert message is not None and message.startswith(field)

@@ -19,8 +19,11 @@ def test_temperature_zero_is_argmax():
 
 def test_top_k_one_and_tiny_top_p_both_mean_argmax():
     logits = torch.randn(3, 50)
-    rows = [row(temperature=1.0, top_k=1), row(temperature=1.0, top_p=1e-6),
-            row(temperature=1.0, min_p=1.0)]
+    rows = [
+        row(temperature=1.0, top_k=1),
+        row(temperature=1.0, top_p=1e-6),
+        row(temperature=1.0, min_p=1.0),
+    ]
     assert Sampler(seed=3)(logits.clone(), rows) == logits.argmax(-1).tolist()
 
 
@@ -35,8 +38,10 @@ def test_top_k_draws_stay_inside_the_k_most_likely():
 def test_min_tokens_masks_stop_tokens_until_reached():
     logits = torch.full((2, 10), -5.0)
     logits[:, 3] = 10.0  # the stop token is by far the likeliest
-    rows = [row(temperature=0.0, min_tokens=2, max_tokens=5, num_output=1, stops=[3]),
-            row(temperature=0.0, min_tokens=2, max_tokens=5, num_output=2, stops=[3])]
+    rows = [
+        row(temperature=0.0, min_tokens=2, max_tokens=5, num_output=1, stops=[3]),
+        row(temperature=0.0, min_tokens=2, max_tokens=5, num_output=2, stops=[3]),
+    ]
     tokens = Sampler()(logits, rows)
     assert tokens[0] != 3 and tokens[1] == 3
 
@@ -50,6 +55,8 @@ def test_a_seeded_row_draws_the_same_token_whatever_shares_its_batch():
     for sampler_seed in range(5):
         batch = Sampler(seed=sampler_seed)(logits.clone(), [seeded] + others)
         assert batch[0] == alone
-    draws = {Sampler()(logits[:1].clone(), [row(position=p, temperature=1.0, seed=77)])[0]
-             for p in range(30)}
+    draws = {
+        Sampler()(logits[:1].clone(), [row(position=p, temperature=1.0, seed=77)])[0]
+        for p in range(30)
+    }
     assert len(draws) > 1  # the position changes the draw

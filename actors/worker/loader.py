@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from actorserve.kernels import AttentionOps
+
 from .models.config import ModelConfig
 from .models.llama import CausalLM
 

@@ -68,8 +68,12 @@ class ModelRunner:
             if not new.params.ignore_eos:
                 stops += self.eos_token_ids
             self.requests[new.request_id] = CachedRequest(
-                list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
-                list(new.block_ids), new, stops,
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                new.num_computed_tokens,
+                list(new.block_ids),
+                new,
+                stops,
             )
             scheduled.append((new.request_id, new.num_new_tokens))
         return scheduled
@@ -95,9 +99,14 @@ class ModelRunner:
             if end == len(request.token_ids):
                 sample_index.append(query_start[-1] - 1)
                 sample_ids.append(rid)
-                sample_rows.append(SampleRow(request.new.params, end,
-                                             end - request.num_prompt_tokens,
-                                             request.stop_token_ids))
+                sample_rows.append(
+                    SampleRow(
+                        request.new.params,
+                        end,
+                        end - request.num_prompt_tokens,
+                        request.stop_token_ids,
+                    )
+                )
         host = {
             "input_ids": torch.tensor([t for part in ids_parts for t in part], dtype=torch.long),
             "positions": torch.from_numpy(np.concatenate(pos_parts)),
@@ -108,10 +117,12 @@ class ModelRunner:
             "sample_index": torch.tensor(sample_index, dtype=torch.long),
         }
         dev = self._to_device(host)
-        meta = AttentionMetadata(dev["slot_mapping"], dev["block_tables"], dev["seq_lens"],
-                                 dev["query_start_loc"])
-        return StepInputs(dev["input_ids"], dev["positions"], meta, dev["sample_index"],
-                          sample_ids, sample_rows)
+        meta = AttentionMetadata(
+            dev["slot_mapping"], dev["block_tables"], dev["seq_lens"], dev["query_start_loc"]
+        )
+        return StepInputs(
+            dev["input_ids"], dev["positions"], meta, dev["sample_index"], sample_ids, sample_rows
+        )
 
     def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """CPU: as is. CUDA: pinned buffers copied on the copy stream; compute waits on an event."""
@@ -140,5 +151,6 @@ class ModelRunner:
             self.requests[rid].num_computed += count
         for rid, token in zip(inputs.sample_ids, tokens):
             self.requests[rid].token_ids.append(token)
-        return StepResult(plan.step_id, inputs.sample_ids, tokens,
-                          forward_s=time.perf_counter() - started)
+        return StepResult(
+            plan.step_id, inputs.sample_ids, tokens, forward_s=time.perf_counter() - started
+        )

@@ -53,23 +53,44 @@ class Worker(Actor):
         device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         )
-        dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-                 "float32": torch.float32, "bfloat16": torch.bfloat16,
-                 "float16": torch.float16}[cfg.dtype]
+        dtype = {
+            "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+            "float32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "float16": torch.float16,
+        }[cfg.dtype]
         ops = attention_ops(device, cfg.attention_backend)
         model, model_config = load_model(cfg.model, device, dtype, ops)
-        block_bytes = (2 * model_config.num_layers * cfg.block_size * model_config.num_kv_heads
-                       * model_config.head_dim * dtype.itemsize)
+        block_bytes = (
+            2
+            * model_config.num_layers
+            * cfg.block_size
+            * model_config.num_kv_heads
+            * model_config.head_dim
+            * dtype.itemsize
+        )
         num_blocks = cfg.num_kv_blocks or max(1, self._kv_budget(device) // block_bytes)
         shape = (num_blocks, cfg.block_size, model_config.num_kv_heads, model_config.head_dim)
-        kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                      torch.zeros(shape, dtype=dtype, device=device))
-                     for _ in range(model_config.num_layers)]
+        kv_caches = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(model_config.num_layers)
+        ]
         self.num_kv_blocks = num_blocks
         self.runner = ModelRunner(cfg, model, kv_caches, device)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-        self.log.info("model %s on %s (%s, %d threads, attention %s): %d KV blocks of %d tokens",
-                      cfg.model, device, dtype, threads, ops.name, num_blocks, cfg.block_size)
+        self.log.info(
+            "model %s on %s (%s, %d threads, attention %s): %d KV blocks of %d tokens",
+            cfg.model,
+            device,
+            dtype,
+            threads,
+            ops.name,
+            num_blocks,
+            cfg.block_size,
+        )
 
     def _kv_budget(self, device) -> int:
         import torch

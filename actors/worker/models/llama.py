@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actorserve.kernels import AttentionOps
+
 from .config import ModelConfig, RopeScaling
 
 

@@ -1,0 +1,87 @@
+"""The offline API: `LLM(model).generate(prompts, params)` runs the real actor processes.
+
+from actorserve import LLM, SamplingParams
+with LLM(model_dir) as llm:
+    for out in llm.generate(["def f(x):", "import os"], SamplingParams(max_tokens=32)):
+        print(out.text)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from .actors.config import EngineConfig
+from .actors.supervisor import BackgroundSupervisor
+from .gateway.client import AsyncClient, Client
+from .messages.common import FinishReason, SamplingParams
+
+
+@dataclass
+class Completion:
+    prompt: str | list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+
+
+class LLM:
+    """An engine (supervisor + four actor processes) for the life of this object."""
+
+    def __init__(self, model: str, **engine_settings):
+        """`engine_settings`: any EngineConfig field (max_num_seqs, num_kv_blocks, ...)."""
+        self.config = EngineConfig(model=str(model), **engine_settings)
+        self._stack = BackgroundSupervisor(self.config)
+        self.address = self._stack.start()
+        self._client = Client(self.address)
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[Completion]:
+        """Submit every prompt at once (the engine batches them); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"params must be one SamplingParams or one per prompt "
+                f"({len(prompts)}), got {len(params)}"
+            )
+        return self._client._call(self._generate_all(prompts, params, use_tqdm))
+
+    async def _generate_all(self, prompts, params, use_tqdm: bool) -> list[Completion]:
+        from tqdm import tqdm
+
+        client: AsyncClient = self._client._async
+        bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
+
+        async def one(prompt, p) -> Completion:
+            text, ids, last = [], [], None
+            async for last in client.generate(prompt, p):
+                text.append(last.text)
+                ids.extend(last.token_ids)
+            bar.update(1)
+            return Completion(prompt, "".join(text), ids, last.finish_reason, last.prompt_tokens)
+
+        try:
+            return await asyncio.gather(*[one(x, p) for x, p in zip(prompts, params)])
+        finally:
+            bar.close()
+
+    def health(self):
+        return self._client.health()
+
+    def shutdown(self) -> None:
+        self._client.close()
+        self._stack.stop()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
