@@ -1,4 +1,4 @@
-"""Paged attention and KV store behind one dispatch point: Triton on CUDA, torch reference on CPU."""
+"""Paged attention and KV store behind one dispatch point: Triton on CUDA, torch on CPU."""
 
 from __future__ import annotations
 
