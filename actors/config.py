@@ -69,6 +69,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ready_timeout_s: float = 180.0
     stop_timeout_s: float = 10.0
     seed: int = 0
+    epoch: int = 0  # actors drop stamped messages of other epochs; restarted ones start at -1
+    max_restarts: int = 5  # per actor within restart_window_s; past it the tree stops
+    restart_window_s: float = 60.0
+    drain_timeout_s: float = 30.0
     addresses: Addresses | None = None
     facts: ModelFacts | None = None
 

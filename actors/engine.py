@@ -1,15 +1,18 @@
 """Engine actor: the clients' door. Tokenizes, validates, journals, detokenizes, streams.
 
-Inbox: TokensOut (Scheduler); StatsReply (BlockManager); Roster (supervisor); Stop.
-Client socket (ROUTER): GenerateRequest, AbortRequest, HealthRequest in; Delta, ErrorReply,
-HealthReply out, each to the client identity that asked.
+Inbox: TokensOut, Recover (Scheduler); StatsReply (BlockManager); Roster, Drain (supervisor); Stop.
+Client socket (ROUTER): GenerateRequest, AbortRequest, HealthRequest, Ping in; Delta, ErrorReply,
+HealthReply, Pong out, each to the client identity that asked.
 Outbox: AddRequest, AbortRequests, StatsQuery -> Scheduler.
 Owns: the tokenizer; the journal of live requests (prompt ids, params, tokens sent so far).
 Dies when: Stop, SIGTERM, or its supervisor goes away. A client's bad bytes never kill it.
+On Recover (another actor restarted) it re-submits every live request with the tokens already
+streamed, so generation resumes where it was: nothing lost, nothing sent twice.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from dataclasses import dataclass, field
@@ -20,17 +23,22 @@ from ..messages.client import (
     AbortRequest,
     ClientToEngine,
     Delta,
+    EngineStats,
     ErrorReply,
     GenerateRequest,
     HealthReply,
     HealthRequest,
+    Ping,
+    Pong,
 )
 from ..messages.codec import DecodeError, Decoder, EngineInbox, encode, peek_request_id
 from ..messages.common import FinishReason
-from ..messages.control import ActorStatus, Roster
+from ..messages.control import ActorStatus, Drain, Drained, Recover, Roster
 from ..messages.step import AbortRequests, AddRequest, StatsQuery, StatsReply, TokensOut
 from .detokenizer import IncrementalDetokenizer
 from .runtime import Actor, actor_main
+
+STATS_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -59,6 +67,7 @@ class Engine(Actor):
         self.roster: list[ActorStatus] = []
         self.client_decoder = Decoder(ClientToEngine)
         self._query_seq = 0
+        self.draining = False
 
     async def setup(self) -> None:
         import torch  # pulled in by transformers; keep it to one thread: the Worker owns the cores
@@ -76,7 +85,9 @@ class Engine(Actor):
         self.router.bind(address)
 
     async def teardown(self) -> None:
-        self.router.close(linger=0)
+        for rid, live in self.live.items():
+            self.reply(live.identity, ErrorReply("the engine stopped", "unavailable", rid))
+        self.router.close(linger=100)
 
     async def background(self) -> None:
         while True:
@@ -114,14 +125,23 @@ class Engine(Actor):
                 self.reply(identity, ErrorReply(str(exc), "invalid_request", message.request_id))
         elif isinstance(message, AbortRequest):
             self.abort(message.request_id)
+        elif isinstance(message, Ping):
+            unknown = [rid for rid in message.request_ids if rid not in self.live]
+            self.reply(identity, Pong(unknown, self.draining))
         elif isinstance(message, HealthRequest):
             self._query_seq += 1
             query_id = str(self._query_seq)
             self.health_waiters[query_id] = (identity, message.request_id)
             self.send("scheduler", StatsQuery(query_id))
+            asyncio.get_running_loop().call_later(
+                STATS_TIMEOUT_S, self._answer_health, query_id, None
+            )
 
     def admit(self, identity: bytes, message: GenerateRequest) -> None:
         rid = message.request_id
+        if self.draining:
+            self.reply(identity, ErrorReply("the engine is shutting down", "unavailable", rid))
+            return
         if rid in self.live:
             raise InvalidRequest(f"request_id {rid!r} is already in use by a live request")
         if len(self.live) >= self.config.max_live_requests:
@@ -172,6 +192,7 @@ class Engine(Actor):
             return
         self.send("scheduler", AbortRequests([request_id]))
         self.reply(live.identity, self._delta(request_id, live, "", [], FinishReason.ABORT))
+        self._maybe_drained()
 
     # -- outputs -----------------------------------------------------------------------------
 
@@ -184,6 +205,7 @@ class Engine(Actor):
             text = live.detokenizer.add(output.token_ids) if output.token_ids else ""
             if output.finish_reason is not None:
                 del self.live[output.request_id]
+                self._maybe_drained()
             delta = self._delta(
                 output.request_id, live, text, output.token_ids, output.finish_reason
             )
@@ -201,15 +223,43 @@ class Engine(Actor):
         )
 
     def on_stats_reply(self, message: StatsReply) -> None:
-        waiter = self.health_waiters.pop(message.query_id, None)
+        self._answer_health(message.query_id, message.stats)
+
+    def _answer_health(self, query_id: str, stats: EngineStats | None) -> None:
+        """Answer a health query; without stats (the Scheduler or BlockManager did not answer
+        within STATS_TIMEOUT_S, e.g. while restarting) the reply says not ok."""
+        waiter = self.health_waiters.pop(query_id, None)
         if waiter is None:
             return
         identity, request_id = waiter
-        ok = bool(self.roster) and all(a.state == "ready" for a in self.roster)
-        self.reply(identity, HealthReply(request_id, ok, message.stats, self.roster))
+        ok = stats is not None and bool(self.roster)
+        ok = ok and all(a.state == "ready" for a in self.roster)
+        self.reply(identity, HealthReply(request_id, ok, stats or EngineStats(), self.roster))
 
     def on_roster(self, message: Roster) -> None:
         self.roster = message.actors
+
+    def on_recover(self, message: Recover) -> None:
+        self.log.warning("epoch %d: re-submitting %d live requests", message.epoch, len(self.live))
+        for live in self.live.values():
+            request = live.request
+            self.send(
+                "scheduler",
+                AddRequest(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    request.params,
+                    list(live.output_token_ids),
+                ),
+            )
+
+    def on_drain(self, message: Drain) -> None:
+        self.draining = True
+        self._maybe_drained()
+
+    def _maybe_drained(self) -> None:
+        if self.draining and not self.live:
+            self.send("supervisor", Drained(self.name, os.getpid()))
 
 
 if __name__ == "__main__":

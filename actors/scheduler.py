@@ -1,9 +1,9 @@
 """Scheduler actor: continuous batching, one step in flight at a time.
 
 Inbox: AddRequest, AbortRequests, StatsQuery (Engine); Allocation (BlockManager); StepResult
-(Worker); Stop.
-Outbox: AllocateStep, FreeBlocks, StatsQuery -> BlockManager; StepPlan -> Worker;
-TokensOut -> Engine.
+(Worker); Reset (supervisor, after a restart); Stop.
+Outbox: AllocateStep, FreeBlocks, StatsQuery, Reset -> BlockManager; StepPlan, Reset -> Worker;
+TokensOut, Recover -> Engine.
 Owns: the waiting queue and running set, every request's tokens and computed-token count.
 Dies when: Stop, SIGTERM, or its supervisor goes away.
 
@@ -12,6 +12,10 @@ decodes before prefill chunks, then waiting ones in FCFS order; a prompt longer 
 of the budget is prefilled in chunks) -> one AllocateStep round trip (the BlockManager preempts
 from the tail when blocks run out) -> StepPlan with only what changed -> StepResult -> stop checks
 -> TokensOut. Blocks are freed only between steps, so no block is reused while a step runs on it.
+
+Recovery: on Reset(epoch) the Scheduler forgets every request, forwards Reset to the BlockManager
+and Worker (which clear theirs) and sends Recover to the Engine, which re-submits its journal.
+Allocations and StepResults of another epoch are stale and dropped.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections import deque
 from ..messages.blocks import AllocateStep, Allocation, BlockNeed, FreeBlocks
 from ..messages.codec import SchedulerInbox
 from ..messages.common import FinishReason, SamplingParams
+from ..messages.control import Recover, Reset
 from ..messages.step import (
     AbortRequests,
     AddRequest,
@@ -73,6 +78,15 @@ class Scheduler(Actor):
         super().__init__(config)
         self.eos_token_ids = config.facts.eos_token_ids
         self.max_model_len = config.max_model_len
+        self.epoch = config.epoch
+        self._clear()
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.num_partial_prefills = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    def _clear(self) -> None:
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}  # admission order
         self.requests: dict[str, Request] = {}
@@ -81,11 +95,18 @@ class Scheduler(Actor):
         self.step_id = 0
         self.pending: dict[str, int] | None = None  # request -> tokens, awaiting Allocation
         self.in_flight: list[tuple[Request, int]] | None = None  # awaiting StepResult
-        self.num_preemptions = 0
-        self.num_steps = 0
-        self.num_partial_prefills = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
+
+    def on_reset(self, message: Reset) -> None:
+        self.log.warning(
+            "reset to epoch %d: dropping %d requests for the Engine to re-submit",
+            message.epoch,
+            len(self.requests),
+        )
+        self.epoch = message.epoch
+        self._clear()
+        self.send("block_manager", message)
+        self.send("worker", message)
+        self.send("engine", Recover(message.epoch))
 
     # -- requests in and out -----------------------------------------------------------------
 
@@ -119,7 +140,7 @@ class Scheduler(Actor):
         if rid in self.worker_knows:
             self.worker_knows.discard(rid)
             self.removed.append(rid)
-        self.send("block_manager", FreeBlocks([rid]))
+        self.send("block_manager", FreeBlocks(self.epoch, [rid]))
 
     def on_stats_query(self, message: StatsQuery) -> None:
         stats = message.stats
@@ -162,9 +183,11 @@ class Scheduler(Actor):
             seats -= 1
         self.step_id += 1
         self.pending = pending
-        self.send("block_manager", AllocateStep(self.step_id, needs))
+        self.send("block_manager", AllocateStep(self.epoch, self.step_id, needs))
 
     def on_allocation(self, message: Allocation) -> None:
+        if message.epoch != self.epoch or message.step_id != self.step_id or self.pending is None:
+            return  # stale: from before a reset
         pending, self.pending = self.pending, None
         for rid in reversed(message.preempted):  # back to the queue's front, in order
             if rid not in self.requests:  # aborted while the allocation was on its way
@@ -176,7 +199,7 @@ class Scheduler(Actor):
                 self.worker_knows.discard(rid)
                 self.removed.append(rid)
             self.num_preemptions += 1
-        plan = StepPlan(self.step_id, self.removed, [], [])
+        plan = StepPlan(self.epoch, self.step_id, self.removed, [], [])
         self.removed = []
         in_flight: list[tuple[Request, int]] = []
         for grant in message.granted:
@@ -212,7 +235,9 @@ class Scheduler(Actor):
         self.send("worker", plan)
 
     def on_step_result(self, message: StepResult) -> None:
-        in_flight, self.in_flight = self.in_flight or [], None
+        if message.epoch != self.epoch or message.step_id != self.step_id or not self.in_flight:
+            return  # stale: from before a reset
+        in_flight, self.in_flight = self.in_flight, None
         self.num_steps += 1
         if message.error is not None:
             self.report_error(f"step {message.step_id} failed in the worker: {message.error}")

@@ -2,8 +2,14 @@
 
 Start: Worker first (it measures the KV cache and reports num_kv_blocks in Ready), then the
 BlockManager (sized from that), the Scheduler, and last the Engine (which opens the clients' door).
-Each must send Ready within `ready_timeout_s`, or start-up fails naming the actor. While serving,
-an actor that exits brings the whole tree down with a message naming it and a non-zero exit.
+Each must send Ready within `ready_timeout_s`, or start-up fails naming the actor.
+
+While serving: an actor that exits, or misses 3 heartbeats (hung, SIGSTOPped: it is killed), is
+restarted after an exponential backoff; the replacement starts at epoch -1 (deaf to stale
+messages) and, once Ready, the supervisor sends Reset(epoch + 1) to the Scheduler, which clears
+the step state everywhere and has the Engine re-submit its journal. More than `max_restarts`
+deaths of one actor within `restart_window_s` stop the whole tree with the reason.
+Drain: the Engine refuses new requests until in-flight ones finish (or `drain_timeout_s`).
 Stop: Engine first (no new requests), then Scheduler, BlockManager, Worker.
 """
 
@@ -18,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 
 import msgspec
 import zmq
@@ -25,7 +32,17 @@ import zmq.asyncio
 
 from ..messages.codec import DecodeError, Decoder, SupervisorInbox, encode
 from ..messages.common import PROTOCOL_VERSION
-from ..messages.control import ActorError, ActorStatus, Heartbeat, Ready, Roster, Stop
+from ..messages.control import (
+    ActorError,
+    ActorStatus,
+    Drain,
+    Drained,
+    Heartbeat,
+    Ready,
+    Reset,
+    Roster,
+    Stop,
+)
 from .config import ACTORS, Addresses, EngineConfig
 
 MODULES = {
@@ -43,18 +60,29 @@ class SupervisorError(RuntimeError):
 
 
 class ActorProcess:
-    def __init__(self, name: str, process: subprocess.Popen):
+    """One actor's current process and its history (restarts survive the process)."""
+
+    def __init__(self, name: str, process: subprocess.Popen, previous: ActorProcess | None = None):
         self.name = name
         self.process = process
         self.ready: Ready | None = None
         self.last_beat = time.monotonic()
         self.errors = 0
+        self.restarting = False
+        self.restart_times: deque[float] = previous.restart_times if previous else deque()
+        self.restarts = previous.restarts if previous else 0
+        self.last_recovery_s = previous.last_recovery_s if previous else 0.0
 
     def status(self) -> ActorStatus:
         alive = self.process.poll() is None
-        state = ("ready" if self.ready else "starting") if alive else "exited"
+        if self.restarting:
+            state = "restarting"
+        else:
+            state = ("ready" if self.ready else "starting") if alive else "exited"
         age = round(time.monotonic() - self.last_beat, 3)
-        return ActorStatus(self.name, self.process.pid, state, 0, age)
+        return ActorStatus(
+            self.name, self.process.pid, state, self.restarts, age, round(self.last_recovery_s, 3)
+        )
 
 
 class Supervisor:
@@ -70,6 +98,8 @@ class Supervisor:
         )
         self.actors: dict[str, ActorProcess] = {}
         self.failure: str | None = None
+        self.epoch = self.config.epoch
+        self._drained = asyncio.Event()
         self._done = asyncio.Event()
         self._ready_changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -104,17 +134,18 @@ class Supervisor:
             ", ".join(f"{a.name}={a.process.pid}" for a in self.actors.values()),
         )
 
-    def _spawn(self, name: str) -> None:
+    def _spawn(self, name: str, restart: bool = False) -> None:
+        config = msgspec.structs.replace(self.config, epoch=-1) if restart else self.config
         env = dict(os.environ)
         if name != "worker":  # only the Worker computes with torch; the others keep one thread
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         process = subprocess.Popen(
-            [sys.executable, "-m", MODULES[name], self.config.to_json().decode()],
+            [sys.executable, "-m", MODULES[name], config.to_json().decode()],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=sys.stderr,
         )
-        self.actors[name] = ActorProcess(name, process)
+        self.actors[name] = ActorProcess(name, process, self.actors.get(name))
 
     async def _wait_ready(self, name: str) -> Ready:
         actor = self.actors[name]
@@ -159,6 +190,8 @@ class Supervisor:
             if isinstance(message, Ready):
                 actor.ready = message
                 self._ready_changed.set()
+            elif isinstance(message, Drained):
+                self._drained.set()
             elif isinstance(message, ActorError):
                 actor.errors += 1
                 log.warning("%s reported: %s", message.actor, message.message)
@@ -169,20 +202,77 @@ class Supervisor:
         interval = self.config.heartbeat_interval_s
         next_roster = time.monotonic() + interval
         while True:
-            for actor in self.actors.values():
+            for actor in list(self.actors.values()):
                 code = actor.process.poll()
-                if code is not None:
-                    self.failure = (
-                        f"actor {actor.name} (pid {actor.process.pid}) exited with "
-                        f"code {code}; stopping the engine"
+                silent = time.monotonic() - actor.last_beat
+                if code is None and actor.ready and silent > 3 * interval:
+                    log.error(
+                        "actor %s (pid %d) sent no heartbeat for %.1f s: killing it",
+                        actor.name,
+                        actor.process.pid,
+                        silent,
                     )
-                    log.error(self.failure)
-                    await self.stop()
-                    return
+                    actor.process.kill()
+                    code = await asyncio.to_thread(actor.process.wait)
+                if code is not None:
+                    await self._restart(actor, code)
+                    if self._done.is_set():
+                        return
             if time.monotonic() >= next_roster:
                 self._send_roster()
-                next_roster += interval
-            await asyncio.sleep(0.1)
+                next_roster = time.monotonic() + interval
+            await asyncio.sleep(0.05)
+
+    async def _restart(self, actor: ActorProcess, code: int) -> None:
+        """Replace a dead actor, then reset the step state everywhere (see the module doc)."""
+        noticed = time.monotonic()
+        window = self.config.restart_window_s
+        while actor.restart_times and noticed - actor.restart_times[0] > window:
+            actor.restart_times.popleft()
+        recent = len(actor.restart_times)
+        if recent >= self.config.max_restarts:
+            self.failure = (
+                f"actor {actor.name} (pid {actor.process.pid}) exited with code {code}"
+                f", its death number {recent + 1} within {window:.0f} s: restart "
+                f"budget (max_restarts={self.config.max_restarts}) exhausted"
+            )
+            log.error(self.failure)
+            await self.stop()
+            return
+        delay = min(0.05 * 2**recent, 5.0)
+        log.error(
+            "actor %s (pid %d) exited with code %s; restarting in %.2f s (%d in the last %.0f s)",
+            actor.name,
+            actor.process.pid,
+            code,
+            delay,
+            recent + 1,
+            window,
+        )
+        actor.restarting = True
+        actor.restart_times.append(noticed)
+        await asyncio.sleep(delay)
+        self._spawn(actor.name, restart=True)
+        replacement = self.actors[actor.name]
+        replacement.restarts += 1
+        try:
+            await self._wait_ready(actor.name)
+        except SupervisorError as exc:
+            log.error("restart failed: %s", exc)
+            if replacement.process.poll() is None:
+                replacement.process.kill()
+            return  # the monitor sees the exit and tries again, within the budget
+        self.epoch += 1
+        self._send("scheduler", Reset(self.epoch))
+        replacement.last_recovery_s = time.monotonic() - noticed
+        self._send_roster()
+        log.warning(
+            "actor %s is back (pid %d) in %.2f s; epoch %d",
+            actor.name,
+            replacement.process.pid,
+            replacement.last_recovery_s,
+            self.epoch,
+        )
 
     def _send_roster(self) -> None:
         self._send("engine", Roster([a.status() for a in self.actors.values()]))
@@ -206,6 +296,21 @@ class Supervisor:
         await self._done.wait()
         if self.failure:
             raise SupervisorError(self.failure)
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """Refuse new requests and wait for in-flight ones to finish; False on timeout."""
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        engine = self.actors.get("engine")
+        if engine is None or engine.process.poll() is not None:
+            return False
+        self._drained.clear()
+        self._send("engine", Drain())
+        try:
+            await asyncio.wait_for(self._drained.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            log.warning("drain: requests still live after %.0f s; stopping anyway", timeout_s)
+            return False
 
     async def stop(self, reason: str = "shutdown") -> None:
         """Stop the actors in order (Engine first), each by Stop, then SIGTERM, then SIGKILL."""

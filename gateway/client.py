@@ -2,12 +2,16 @@
 
 One receive task reads the socket and routes each reply by request id. A stream whose consumer is
 slow does not queue without bound: deltas that arrive before it reads are merged into one.
+While streams are open a watchdog pings the Engine every `ping_interval_s`: streams the Engine no
+longer knows (it restarted) fail with EngineError(code="unavailable"), and when nothing at all
+comes back for `liveness_timeout_s` every stream fails with EngineUnavailable. No hang.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -23,6 +27,8 @@ from ..messages.client import (
     GenerateRequest,
     HealthReply,
     HealthRequest,
+    Ping,
+    Pong,
 )
 from ..messages.codec import Decoder, encode
 from ..messages.common import SamplingParams
@@ -49,7 +55,7 @@ class _Stream:
 
     def __init__(self):
         self.pending: Delta | None = None
-        self.error: ErrorReply | None = None
+        self.error: EngineError | None = None
         self.event = asyncio.Event()
 
     def push(self, delta: Delta) -> None:
@@ -67,16 +73,30 @@ class _Stream:
             )
         self.event.set()
 
-    def fail(self, error: ErrorReply) -> None:
+    def fail(self, error: EngineError) -> None:
+        if self.pending is not None and self.pending.finished:
+            return  # it ended before the failure was noticed
         self.error = error
         self.event.set()
 
 
 class AsyncClient:
-    def __init__(self, address: str, *, timeout_s: float | None = None):
-        """`timeout_s`: longest wait for any message of a stream before EngineUnavailable."""
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float | None = None,
+        ping_interval_s: float = 1.0,
+        liveness_timeout_s: float = 10.0,
+    ):
+        """`timeout_s`: longest wait for any message of one stream before EngineUnavailable
+        (None: no limit, the watchdog alone decides)."""
         self.address = address
         self.timeout_s = timeout_s
+        self.ping_interval_s = ping_interval_s
+        self.liveness_timeout_s = liveness_timeout_s
+        self._last_heard = time.monotonic()
+        self._watchdog: asyncio.Task | None = None
         self._ctx = zmq.asyncio.Context()
         self._socket = self._ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -87,24 +107,54 @@ class AsyncClient:
         self._receiver: asyncio.Task | None = None
 
     def _ensure_receiver(self) -> None:
+        loop = asyncio.get_running_loop()
         if self._receiver is None or self._receiver.done():
-            self._receiver = asyncio.get_running_loop().create_task(self._receive())
+            self._receiver = loop.create_task(self._receive())
+        if self._watchdog is None or self._watchdog.done():
+            self._last_heard = time.monotonic()
+            self._watchdog = loop.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.ping_interval_s)
+            if not self._streams:
+                self._last_heard = time.monotonic()
+                continue
+            if time.monotonic() - self._last_heard > self.liveness_timeout_s:
+                error = EngineUnavailable(
+                    f"the engine at {self.address} stopped answering "
+                    f"({self.liveness_timeout_s:.0f} s without a reply)"
+                )
+                for stream in self._streams.values():
+                    stream.fail(error)
+                continue
+            await self._socket.send(encode(Ping(list(self._streams))))
 
     async def _receive(self) -> None:
         while True:
             data = await self._socket.recv()
+            self._last_heard = time.monotonic()
             try:
                 message = self._decoder.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
-            if isinstance(message, Delta):
+            if isinstance(message, Pong):
+                for rid in message.unknown:
+                    stream = self._streams.get(rid)
+                    if stream is not None:
+                        stream.fail(
+                            EngineError(
+                                "the engine restarted and lost this request", "unavailable", rid
+                            )
+                        )
+            elif isinstance(message, Delta):
                 stream = self._streams.get(message.request_id)
                 if stream is not None:
                     stream.push(message)
             elif isinstance(message, ErrorReply):
                 stream = self._streams.get(message.request_id or "")
                 if stream is not None:
-                    stream.fail(message)
+                    stream.fail(EngineError(message.message, message.code, message.request_id))
                 future = self._health.pop(message.request_id or "", None)
                 if future is not None and not future.done():
                     future.set_exception(EngineError(message.message, message.code))
@@ -147,7 +197,7 @@ class AsyncClient:
                 stream.event.clear()
                 if stream.error is not None:
                     finished = True
-                    raise EngineError(stream.error.message, stream.error.code, rid)
+                    raise stream.error
                 delta, stream.pending = stream.pending, None
                 if delta is not None:
                     finished = delta.finished
@@ -175,12 +225,13 @@ class AsyncClient:
             self._health.pop(rid, None)
 
     async def close(self) -> None:
-        if self._receiver is not None:
-            self._receiver.cancel()
-            try:
-                await self._receiver
-            except (asyncio.CancelledError, Exception):
-                pass
+        for task in (self._receiver, self._watchdog):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
         self._socket.close(linger=0)
         self._ctx.term()
 
@@ -194,17 +245,18 @@ class AsyncClient:
 class Client:
     """Blocking wrapper: an AsyncClient on a private event loop thread."""
 
-    def __init__(self, address: str, *, timeout_s: float | None = None):
+    def __init__(self, address: str, **options):
+        """`options`: AsyncClient's (timeout_s, ping_interval_s, liveness_timeout_s)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, daemon=True, name="actorserve-client"
         )
         self._thread.start()
-        self._async = self._call(self._make(address, timeout_s))
+        self._async = self._call(self._make(address, options))
 
     @staticmethod
-    async def _make(address: str, timeout_s: float | None) -> AsyncClient:
-        return AsyncClient(address, timeout_s=timeout_s)
+    async def _make(address: str, options: dict) -> AsyncClient:
+        return AsyncClient(address, **options)
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

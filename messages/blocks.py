@@ -20,6 +20,7 @@ class AllocateStep(msgspec.Struct, tag=True, array_like=True, gc=False):
     are all new requests after it (FCFS: nobody jumps the queue).
     """
 
+    epoch: int
     step_id: int
     needs: list[BlockNeed]
 
@@ -30,6 +31,7 @@ class Grant(msgspec.Struct, array_like=True, gc=False):
 
 
 class Allocation(msgspec.Struct, tag=True, array_like=True, gc=False):
+    epoch: int
     step_id: int
     granted: list[Grant]
     preempted: list[str]
@@ -37,4 +39,5 @@ class Allocation(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 class FreeBlocks(msgspec.Struct, tag=True, array_like=True):
+    epoch: int
     request_ids: list[str]

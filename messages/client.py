@@ -28,6 +28,19 @@ class HealthRequest(msgspec.Struct, tag=True, forbid_unknown_fields=True):
     request_id: str
 
 
+class Ping(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    """SDK liveness probe: which of these streams does the Engine still know?"""
+
+    request_ids: list[str]
+
+
+class Pong(msgspec.Struct, tag=True):
+    """`unknown`: ids of the Ping the Engine has no live request for (it restarted)."""
+
+    unknown: list[str]
+    draining: bool = False
+
+
 class Delta(msgspec.Struct, tag=True, omit_defaults=True):
     """New text and token ids of one request; the last delta carries `finish_reason`.
 
@@ -78,5 +91,5 @@ class HealthReply(msgspec.Struct, tag=True, omit_defaults=True):
     actors: list[ActorStatus] = []
 
 
-ClientToEngine = GenerateRequest | AbortRequest | HealthRequest
-EngineToClient = Delta | ErrorReply | HealthReply
+ClientToEngine = GenerateRequest | AbortRequest | HealthRequest | Ping
+EngineToClient = Delta | ErrorReply | HealthReply | Pong

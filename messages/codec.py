@@ -8,15 +8,15 @@ import msgspec
 
 from .blocks import AllocateStep, Allocation, FreeBlocks
 from .client import ClientToEngine, EngineToClient
-from .control import Roster, Stop, ToSupervisor
+from .control import Drain, Recover, Reset, Roster, Stop, ToSupervisor
 from .step import AbortRequests, AddRequest, StatsQuery, StatsReply, StepPlan, StepResult, TokensOut
 
 T = TypeVar("T")
 
-EngineInbox = TokensOut | StatsReply | Roster | Stop
-SchedulerInbox = AddRequest | AbortRequests | Allocation | StepResult | StatsQuery | Stop
-BlockManagerInbox = AllocateStep | FreeBlocks | StatsQuery | Stop
-WorkerInbox = StepPlan | Stop
+EngineInbox = TokensOut | StatsReply | Roster | Recover | Drain | Stop
+SchedulerInbox = AddRequest | AbortRequests | Allocation | StepResult | StatsQuery | Reset | Stop
+BlockManagerInbox = AllocateStep | FreeBlocks | StatsQuery | Reset | Stop
+WorkerInbox = StepPlan | Reset | Stop
 SupervisorInbox = ToSupervisor
 
 DecodeError = (msgspec.DecodeError, msgspec.ValidationError)

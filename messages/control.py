@@ -35,9 +35,34 @@ class Stop(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
 class ActorStatus(msgspec.Struct, omit_defaults=True):
     name: str
     pid: int
-    state: str  # starting | ready | exited
+    state: str  # starting | ready | restarting | exited
     restarts: int = 0
     heartbeat_age_s: float = 0.0
+    last_recovery_s: float = 0.0  # death noticed -> replacement Ready and state reset
+
+
+class Reset(msgspec.Struct, tag=True, array_like=True):
+    """Supervisor -> Scheduler after an actor restarted; the Scheduler clears its state and
+    forwards it to the BlockManager and Worker (after anything it sent them before), then sends
+    Recover to the Engine. Messages stamped with another epoch are dropped from then on.
+    """
+
+    epoch: int
+
+
+class Recover(msgspec.Struct, tag=True, array_like=True):
+    """Scheduler -> Engine, after every earlier TokensOut: re-submit each live request."""
+
+    epoch: int
+
+
+class Drain(msgspec.Struct, tag=True, array_like=True):
+    """Supervisor -> Engine: refuse new requests; say Drained once no request is live."""
+
+
+class Drained(msgspec.Struct, tag=True, array_like=True):
+    actor: str
+    pid: int
 
 
 class Roster(msgspec.Struct, tag=True, array_like=True):
@@ -46,4 +71,4 @@ class Roster(msgspec.Struct, tag=True, array_like=True):
     actors: list[ActorStatus]
 
 
-ToSupervisor = Ready | Heartbeat | ActorError
+ToSupervisor = Ready | Heartbeat | ActorError | Drained

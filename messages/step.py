@@ -62,6 +62,7 @@ class RunningUpdate(msgspec.Struct, array_like=True, gc=False):
 class StepPlan(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Scheduler -> Worker. `removed` (finished, aborted, preempted) is applied before the rest."""
 
+    epoch: int
     step_id: int
     removed: list[str]
     running: list[RunningUpdate]
@@ -71,6 +72,7 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True, gc=False):
 class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False, omit_defaults=True):
     """Worker -> Scheduler: `token_ids[i]` was sampled for `request_ids[i]`."""
 
+    epoch: int
     step_id: int
     request_ids: list[str]
     token_ids: list[int]

@@ -22,6 +22,7 @@ from actorserve.messages.step import NewRequest, RunningUpdate, StepPlan
 
 def test_a_step_plan_round_trips_through_the_workers_decoder():
     plan = StepPlan(
+        0,
         7,
         ["gone"],
         [RunningUpdate("a", [3], 1)],
@@ -32,8 +33,8 @@ def test_a_step_plan_round_trips_through_the_workers_decoder():
 
 def test_an_inbox_refuses_a_message_meant_for_another_actor():
     with pytest.raises(DecodeError):
-        Decoder(SchedulerInbox).decode(encode(AllocateStep(1, [BlockNeed("a", 3, True)])))
-    assert isinstance(Decoder(BlockManagerInbox).decode(encode(AllocateStep(1, []))), AllocateStep)
+        Decoder(SchedulerInbox).decode(encode(AllocateStep(0, 1, [BlockNeed("a", 3, True)])))
+    assert isinstance(Decoder(BlockManagerInbox).decode(encode(AllocateStep(0, 1, []))), AllocateStep)
 
 
 def test_client_messages_name_the_bad_field():

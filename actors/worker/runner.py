@@ -140,7 +140,7 @@ class ModelRunner:
         started = time.perf_counter()
         scheduled = self.apply(plan)
         if not scheduled:
-            return StepResult(plan.step_id, [], [])
+            return StepResult(plan.epoch, plan.step_id, [], [])
         inputs = self.prepare(scheduled)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         tokens: list[int] = []
@@ -152,5 +152,6 @@ class ModelRunner:
         for rid, token in zip(inputs.sample_ids, tokens):
             self.requests[rid].token_ids.append(token)
         return StepResult(
+            plan.epoch,
             plan.step_id, inputs.sample_ids, tokens, forward_s=time.perf_counter() - started
         )

@@ -1,6 +1,6 @@
 """Worker actor: owns the device, the model, the paged KV cache and (on CUDA) its streams.
 
-Inbox: StepPlan (Scheduler); Stop.
+Inbox: StepPlan, Reset (Scheduler); Stop. Plans of another epoch than the last Reset's are dropped.
 Outbox: StepResult -> Scheduler; Ready (with num_kv_blocks), Heartbeat -> supervisor.
 Owns: model weights, KV cache tensors, the persistent batch (runner.py).
 Dies when: Stop, SIGTERM, or its supervisor goes away. A failing step is answered with
@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ...kernels import attention_ops
 from ...messages.codec import WorkerInbox
-from ...messages.control import Ready
+from ...messages.control import Ready, Reset
 from ...messages.step import StepPlan, StepResult
 from ..runtime import Actor, actor_main
 
@@ -79,6 +79,7 @@ class Worker(Actor):
             for _ in range(model_config.num_layers)
         ]
         self.num_kv_blocks = num_blocks
+        self.epoch = cfg.epoch
         self.runner = ModelRunner(cfg, model, kv_caches, device)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self.log.info(
@@ -105,7 +106,13 @@ class Worker(Actor):
     def ready(self) -> Ready:
         return Ready(actor=self.name, pid=os.getpid(), num_kv_blocks=self.num_kv_blocks)
 
+    def on_reset(self, message: Reset) -> None:
+        self.epoch = message.epoch
+        self.runner.requests.clear()
+
     async def on_step_plan(self, plan: StepPlan) -> None:
+        if plan.epoch != self.epoch:
+            return
         loop = asyncio.get_running_loop()
         try:
             result = await loop.run_in_executor(self.executor, self.runner.execute, plan)
@@ -113,7 +120,9 @@ class Worker(Actor):
             self.log.exception("step %d failed", plan.step_id)
             for rid in [u.request_id for u in plan.running] + [n.request_id for n in plan.new]:
                 self.runner.requests.pop(rid, None)
-            result = StepResult(plan.step_id, [], [], error=f"{type(exc).__name__}: {exc}")
+            result = StepResult(
+                plan.epoch, plan.step_id, [], [], error=f"{type(exc).__name__}: {exc}"
+            )
         if plan.running or plan.new:
             self.send("scheduler", result)
 

@@ -1,0 +1,241 @@
+"""Supervision: actors that die or hang are replaced and every stream completes unchanged;
+past the restart budget the engine stops with errors; SIGTERM drains; the Engine's death is a
+clear error for clients; supervisord brings a killed `actorserve serve` back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from actorserve.gateway.client import AsyncClient, Client, EngineError
+from actorserve.messages.common import SamplingParams
+from support import EngineServer, hf_greedy, prompts_of_lengths
+
+MAX_TOKENS = 48
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+def actor_pid(server: EngineServer, name: str) -> int | None:
+    """The actor's PID in the supervisor's roster (None while no health reply comes)."""
+    try:
+        actors = server.client.health().actors
+    except EngineError:
+        return None
+    return next((a.pid for a in actors if a.name == name), None)
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def run_streams_with_fault(address: str, prompts, fault, after_tokens: int = 60):
+    """Stream every prompt at once; call `fault()` once `after_tokens` tokens have arrived."""
+
+    async def run():
+        received = 0
+        faulted = asyncio.Event()
+
+        async with AsyncClient(address, timeout_s=120) as client:
+
+            async def one(prompt):
+                nonlocal received
+                ids = []
+                async for delta in client.generate(prompt, GREEDY):
+                    ids.extend(delta.token_ids)
+                    received += len(delta.token_ids)
+                    if received >= after_tokens and not faulted.is_set():
+                        faulted.set()
+                        await asyncio.to_thread(fault)
+                return ids, delta.finish_reason
+
+            return await asyncio.gather(*[one(p) for p in prompts])
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    server = EngineServer(llama_dir, "--heartbeat-interval-s", "0.5", "--max-restarts", "10")
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.mark.parametrize("victim", ["worker", "scheduler", "block_manager"])
+def test_sigkill_mid_stream_loses_nothing_and_output_equals_fault_free(llama_dir, engine, victim):
+    prompts = prompts_of_lengths(llama_dir)
+    before = {a.name: a for a in engine.client.health().actors}
+    results = run_streams_with_fault(
+        engine.address, prompts, lambda: os.kill(actor_pid(engine, victim), signal.SIGKILL)
+    )
+    for prompt, (ids, reason) in zip(prompts, results):
+        assert ids == hf_greedy(llama_dir, prompt, MAX_TOKENS), f"{len(prompt)}-token prompt"
+        assert reason.value in ("stop", "length")
+    after = {a.name: a for a in engine.client.health().actors}
+    assert after[victim].restarts == before[victim].restarts + 1
+    assert after[victim].pid != before[victim].pid and after[victim].state == "ready"
+
+
+def test_a_sigstopped_worker_is_killed_within_three_heartbeats_and_streams_complete(
+    llama_dir, engine
+):
+    prompts = prompts_of_lengths(llama_dir)[:8]
+    old_pid = actor_pid(engine, "worker")
+    stopped_at = []
+
+    def freeze():
+        stopped_at.append(time.monotonic())
+        os.kill(old_pid, signal.SIGSTOP)
+
+    results = run_streams_with_fault(engine.address, prompts, freeze)
+    for prompt, (ids, _) in zip(prompts, results):
+        assert ids == hf_greedy(llama_dir, prompt, MAX_TOKENS)
+    assert not Path(f"/proc/{old_pid}").exists() or "Z" in Path(f"/proc/{old_pid}/stat").read_text()
+    worker = next(a for a in engine.client.health().actors if a.name == "worker")
+    # Killed after 3 missed beats of 0.5 s (+ one monitor tick); the rest is the restart itself.
+    assert worker.pid != old_pid and worker.last_recovery_s > 0
+    log = engine.log()
+    assert "sent no heartbeat" in log
+
+
+def test_engine_death_is_a_clear_error_for_clients_and_the_engine_comes_back(llama_dir, engine):
+    prompt = prompts_of_lengths(llama_dir, [50])[0]
+    engine_pid = actor_pid(engine, "engine")
+
+    async def run():
+        async with AsyncClient(engine.address, ping_interval_s=0.2, liveness_timeout_s=3) as c:
+            got = 0
+            async for delta in c.generate(prompt, SamplingParams(max_tokens=400, ignore_eos=True)):
+                got += len(delta.token_ids)
+                if got >= 5:
+                    os.kill(engine_pid, signal.SIGKILL)
+
+    started = time.monotonic()
+    with pytest.raises(EngineError) as info:
+        asyncio.run(run())
+    assert info.value.code == "unavailable"
+    assert time.monotonic() - started < 30
+    wait_until(lambda: actor_pid(engine, "engine") not in (engine_pid, None), 30, "a new engine")
+    done = engine.client.complete("def f():", SamplingParams(max_tokens=5))
+    assert done.completion_tokens == 5
+
+
+def test_past_the_restart_budget_the_engine_stops_nonzero_and_clients_get_errors(llama_dir):
+    server = EngineServer(llama_dir, "--max-restarts", "2", "--restart-window-s", "60")
+    try:
+        for _ in range(2):
+            pid = actor_pid(server, "scheduler")
+            os.kill(pid, signal.SIGKILL)
+            wait_until(
+                lambda p=pid: actor_pid(server, "scheduler") not in (p, None), 30, "a new scheduler"
+            )
+        with Client(server.address, liveness_timeout_s=3) as client:
+            stream = client.generate("x", SamplingParams(max_tokens=2000, ignore_eos=True))
+            next(stream)
+            os.kill(actor_pid(server, "scheduler"), signal.SIGKILL)
+            with pytest.raises(EngineError):
+                for _ in stream:
+                    pass
+        assert server.proc.wait(60) != 0
+        assert "restart budget" in server.log()
+    finally:
+        server.stop()
+
+
+def test_sigterm_finishes_in_flight_streams_refuses_new_ones_and_exits_zero(llama_dir):
+    server = EngineServer(llama_dir)
+    prompts = prompts_of_lengths(llama_dir, [20, 60, 100])
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+
+    async def run():
+        async with AsyncClient(server.address, timeout_s=60) as client:
+
+            async def one(prompt):
+                return [t async for d in client.generate(prompt, params) for t in d.token_ids]
+
+            streams = [asyncio.create_task(one(p)) for p in prompts]
+            await asyncio.sleep(0.3)
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            with pytest.raises(EngineError, match="shutting down") as refused:
+                await one(prompts[0])
+            return await asyncio.gather(*streams), refused.value.code
+
+    try:
+        outputs, code = asyncio.run(run())
+        assert [len(o) for o in outputs] == [150, 150, 150] and code == "unavailable"
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_supervisord_restarts_a_killed_serve_process(llama_dir):
+    run = Path(tempfile.mkdtemp(prefix="actorserve-supervisord-"))
+    address = f"ipc://{run}/engine.sock"
+    conf = run / "supervisord.conf"
+    conf.write_text(
+        textwrap.dedent(f"""
+        [supervisord]
+        nodaemon=true
+        logfile={run}/supervisord.log
+        pidfile={run}/supervisord.pid
+        [unix_http_server]
+        file={run}/supervisor.sock
+        [rpcinterface:supervisor]
+        supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface
+        [program:actorserve]
+        command={sys.executable} -m actorserve.cli serve --model {llama_dir} --address {address}
+        autorestart=true
+        startsecs=1
+        stopsignal=TERM
+        stopwaitsecs=30
+        redirect_stderr=true
+        stdout_logfile={run}/actorserve.log
+    """)
+    )
+    supervisord = subprocess.Popen(
+        [str(Path(sys.executable).parent / "supervisord"), "-c", str(conf)]
+    )
+    try:
+        with Client(address, liveness_timeout_s=5) as client:
+            first = wait_until(lambda: _health_or_none(client), 120, "first start")
+            serve_pid = _parent(first.actors[0].pid)
+            os.kill(serve_pid, signal.SIGKILL)
+            wait_until(
+                lambda: (h := _health_or_none(client)) and _parent(h.actors[0].pid) != serve_pid,
+                120,
+                "supervisord to restart actorserve serve",
+            )
+            done = client.complete("import os", SamplingParams(max_tokens=4))
+            assert done.completion_tokens == 4
+    finally:
+        supervisord.send_signal(signal.SIGTERM)
+        supervisord.wait(60)
+
+
+def _health_or_none(client: Client):
+    try:
+        health = client.health(timeout_s=1.0)
+    except EngineError:
+        return None
+    return health if health.ok else None
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
