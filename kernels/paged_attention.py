@@ -83,12 +83,31 @@ def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr
 
 @triton.jit
 def _attend_tile(
-    acc, l_i, m_i, q, q_pos, tile, seq_len, qk_scale,
-    k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    offs_d, d_ok,
-    TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAD_D: tl.constexpr,
-    MASKED: tl.constexpr, IEEE_FP32: tl.constexpr,
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    tile,
+    seq_len,
+    qk_scale,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    kv_head,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    offs_d,
+    d_ok,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAD_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
 ):
     """One KV tile of the online softmax. acc [BLOCK_M, D_PAD] fp32, l_i / m_i [BLOCK_M] fp32
     (m_i in log2 units). MASKED=False promises every tile position is < seq_len and <= every
@@ -101,10 +120,20 @@ def _attend_tile(
         block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE)
     block_ids = block_ids.to(tl.int64)
     in_block = offs_n % BLOCK_SIZE
-    k_ptrs = (k_cache_ptr + block_ids[None, :] * stride_kb + in_block[None, :] * stride_kt
-              + kv_head * stride_kh + offs_d[:, None])  # [D_PAD, TILE_N]: K transposed
-    v_ptrs = (v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt
-              + kv_head * stride_vh + offs_d[None, :])  # [TILE_N, D_PAD]
+    k_ptrs = (
+        k_cache_ptr
+        + block_ids[None, :] * stride_kb
+        + in_block[None, :] * stride_kt
+        + kv_head * stride_kh
+        + offs_d[:, None]
+    )  # [D_PAD, TILE_N]: K transposed
+    v_ptrs = (
+        v_cache_ptr
+        + block_ids[:, None] * stride_vb
+        + in_block[:, None] * stride_vt
+        + kv_head * stride_vh
+        + offs_d[None, :]
+    )  # [TILE_N, D_PAD]
     if MASKED:
         if PAD_D:
             k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
@@ -143,18 +172,39 @@ def _attend_tile(
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale, num_seqs, num_q_heads,
-    stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_ot, stride_oh,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,
+    num_seqs,
+    num_q_heads,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
     stride_bt,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE_FP32: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
 ):
     """Grid (T // BLOCK_Q + B, Hkv, NUM_SPLITS). See the module docstring for the decomposition.
     NUM_SPLITS == 1 writes out [T, Hq, D]; otherwise the fp32 partials
@@ -206,17 +256,59 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for tile in range(tile_lo, full_hi):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, tile, seq_len, qk_scale,
-            k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            offs_d, d_ok, TILE_N, BLOCK_SIZE, HEAD_DIM != D_PAD, False, IEEE_FP32,
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            tile,
+            seq_len,
+            qk_scale,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_ptr,
+            kv_head,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            offs_d,
+            d_ok,
+            TILE_N,
+            BLOCK_SIZE,
+            HEAD_DIM != D_PAD,
+            False,
+            IEEE_FP32,
         )
     for tile in range(full_hi, tile_hi):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, tile, seq_len, qk_scale,
-            k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            offs_d, d_ok, TILE_N, BLOCK_SIZE, HEAD_DIM != D_PAD, True, IEEE_FP32,
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            tile,
+            seq_len,
+            qk_scale,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_ptr,
+            kv_head,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            offs_d,
+            d_ok,
+            TILE_N,
+            BLOCK_SIZE,
+            HEAD_DIM != D_PAD,
+            True,
+            IEEE_FP32,
         )
 
     if NUM_SPLITS == 1:
@@ -230,17 +322,22 @@ def _paged_attention_kernel(
         part = (token * num_q_heads + head) * NUM_SPLITS + split  # [BLOCK_M] row of partials
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
-        tl.store(
-            part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], acc, mask=row_ok[:, None]
-        )
+        tl.store(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
 def _combine_splits_kernel(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    num_q_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    num_q_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     """Grid (T, Hq): out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s."""
     token = tl.program_id(0).to(tl.int64)
@@ -316,8 +413,14 @@ def choose_config(
 
 def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
     """Raise ValueError naming the argument and what was expected."""
-    tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-                   seq_lens=seq_lens, query_start_loc=query_start_loc)
+    tensors = dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+    )
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -385,14 +488,22 @@ def kernel_constexprs(
     d_pad = triton.next_power_of_2(head_dim)
     splits = config.num_kv_splits
     attention = dict(
-        HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group,
-        BLOCK_M=config.block_m, BLOCK_Q=config.block_m // group, TILE_N=config.tile_n,
-        BLOCK_SIZE=block_size, NUM_SPLITS=splits, IEEE_FP32=fp32,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        GROUP=group,
+        BLOCK_M=config.block_m,
+        BLOCK_Q=config.block_m // group,
+        TILE_N=config.tile_n,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=splits,
+        IEEE_FP32=fp32,
     )
     if splits == 1:
         return attention, None
     combine = dict(
-        HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=splits,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        NUM_SPLITS=splits,
         SPLITS_PAD=triton.next_power_of_2(splits),
     )
     return attention, combine
@@ -447,22 +558,43 @@ def paged_attention(
         part_acc = part_m = part_l = out  # unused by the NUM_SPLITS == 1 specialisation
     grid = (num_tokens // consts["BLOCK_Q"] + num_seqs, num_kv_heads, splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out,
-        part_acc, part_m, part_l,
-        block_tables, seq_lens, query_start_loc,
-        float(scale) * LOG2E, num_seqs, num_q_heads,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        float(scale) * LOG2E,
+        num_seqs,
+        num_q_heads,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
         block_tables.stride(0),
         **consts,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
-            out, part_acc, part_m, part_l,
-            num_q_heads, out.stride(0), out.stride(1),
+            out,
+            part_acc,
+            part_m,
+            part_l,
+            num_q_heads,
+            out.stride(0),
+            out.stride(1),
             **combine_consts,
             num_warps=COMBINE_NUM_WARPS,
         )

@@ -20,11 +20,27 @@ CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, num_slots,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-    NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    num_slots,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kct,
+    stride_kch,
+    stride_vcb,
+    stride_vct,
+    stride_vch,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     """Grid (T,): program t copies k[t], v[t] ([Hkv, D] each) into slot slot_mapping[t]."""
     token = tl.program_id(0).to(tl.int64)
@@ -42,10 +58,20 @@ def _store_kv_kernel(
     v = tl.load(
         v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask
     )
-    k_dst = (k_cache_ptr + block * stride_kcb + offset * stride_kct
-             + offs_h[:, None] * stride_kch + offs_d[None, :])
-    v_dst = (v_cache_ptr + block * stride_vcb + offset * stride_vct
-             + offs_h[:, None] * stride_vch + offs_d[None, :])
+    k_dst = (
+        k_cache_ptr
+        + block * stride_kcb
+        + offset * stride_kct
+        + offs_h[:, None] * stride_kch
+        + offs_d[None, :]
+    )
+    v_dst = (
+        v_cache_ptr
+        + block * stride_vcb
+        + offset * stride_vct
+        + offs_h[:, None] * stride_vch
+        + offs_d[None, :]
+    )
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -114,12 +140,27 @@ def store_kv(
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     slot_mapping = slot_mapping.contiguous()
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, num_blocks * block_size,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_blocks * block_size,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
         num_warps=4,
     )
 

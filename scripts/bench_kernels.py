@@ -74,8 +74,9 @@ def _paged_copy(contiguous, block_tables, num_blocks):
     import torch
 
     batch, heads, length, dim = contiguous.shape
-    cache = torch.empty((num_blocks, BLOCK_SIZE, heads, dim), dtype=contiguous.dtype,
-                        device=contiguous.device)
+    cache = torch.empty(
+        (num_blocks, BLOCK_SIZE, heads, dim), dtype=contiguous.dtype, device=contiguous.device
+    )
     flat = cache.view(-1, heads, dim)
     positions = torch.arange(length, device=contiguous.device)
     for b in range(batch):
@@ -92,8 +93,11 @@ def _sdpa_runner(q4, k4, v4, causal):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                SDPBackend.EFFICIENT_ATTENTION]
+    backends = [
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+    ]
     group = q4.shape[1] // k4.shape[1]
     for mode in ("gqa", "expanded"):
         if mode == "gqa":
@@ -110,8 +114,10 @@ def _sdpa_runner(q4, k4, v4, causal):
             torch.cuda.synchronize()
             return run, mode
         except (RuntimeError, TypeError) as exc:  # refused by every fused backend, or OOM
-            print(f"  sdpa {mode}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}",
-                  file=sys.stderr)
+            print(
+                f"  sdpa {mode}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}",
+                file=sys.stderr,
+            )
             del k, v, run
             torch.cuda.empty_cache()
     return None, "n/a"
@@ -144,14 +150,12 @@ def _case(kind: str, batch: int, context: int, peak_tbps: float) -> Row:
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     q_len = 1 if kind == "decode" else context
     query_start_loc = torch.arange(0, batch + 1, device=dev, dtype=torch.int32) * q_len
-    q = torch.randn((batch * q_len, NUM_Q_HEADS, HEAD_DIM), device=dev, dtype=dtype,
-                    generator=gen)
+    q = torch.randn((batch * q_len, NUM_Q_HEADS, HEAD_DIM), device=dev, dtype=dtype, generator=gen)
     scale = HEAD_DIM**-0.5
     config = choose_config(q, k_cache, block_tables)
 
     def triton_call():
-        return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                               scale)
+        return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 
     # SDPA layout [B, H, L, D]: a view of q for prefill, [B, Hq, 1, D] for decode.
     q4 = q.view(batch, q_len, NUM_Q_HEADS, HEAD_DIM).transpose(1, 2)
@@ -180,11 +184,16 @@ def _case(kind: str, batch: int, context: int, peak_tbps: float) -> Row:
 
 def _grid(quick: bool) -> list[tuple[str, int, int]]:
     if quick:
-        return ([("decode", b, c) for b, c in QUICK_DECODE]
-                + [("prefill", b, c) for b, c in QUICK_PREFILL])
+        return [("decode", b, c) for b, c in QUICK_DECODE] + [
+            ("prefill", b, c) for b, c in QUICK_PREFILL
+        ]
     cases = [("decode", b, c) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]
-    cases += [("prefill", b, c) for c in PREFILL_CONTEXTS for b in PREFILL_BATCHES
-              if b * c <= PREFILL_TOKEN_BUDGET]
+    cases += [
+        ("prefill", b, c)
+        for c in PREFILL_CONTEXTS
+        for b in PREFILL_BATCHES
+        if b * c <= PREFILL_TOKEN_BUDGET
+    ]
     return cases
 
 
@@ -203,25 +212,37 @@ def _print_table(rows: list[Row], peak_tbps: float) -> None:
     decode = [r for r in rows if r.kind == "decode"]
     prefill = [r for r in rows if r.kind == "prefill"]
     if decode:
-        print(f"\nDECODE (bf16, Hq {NUM_Q_HEADS} / Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, "
-              f"block {BLOCK_SIZE}; peak {peak_tbps} TB/s)")
-        print(f"{'batch':>6} {'context':>8} {'splits':>6} {'triton us':>10} {'TB/s':>6} "
-              f"{'%peak':>6} {'sdpa us':>10} {'sdpa TB/s':>9} {'sdpa':>8} {'max err':>8}")
+        print(
+            f"\nDECODE (bf16, Hq {NUM_Q_HEADS} / Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, "
+            f"block {BLOCK_SIZE}; peak {peak_tbps} TB/s)"
+        )
+        print(
+            f"{'batch':>6} {'context':>8} {'splits':>6} {'triton us':>10} {'TB/s':>6} "
+            f"{'%peak':>6} {'sdpa us':>10} {'sdpa TB/s':>9} {'sdpa':>8} {'max err':>8}"
+        )
         for r in decode:
-            print(f"{r.batch:>6} {r.context:>8} {r.num_kv_splits:>6} {r.triton_us:>10.1f} "
-                  f"{r.tbps:>6.2f} {r.pct_peak:>6.1f} {_fmt(r.sdpa_us, '>10.1f')} "
-                  f"{_fmt(r.sdpa_tbps, '>9.2f')} {r.sdpa_mode:>8} {_fmt(r.max_abs_err, '>8.4f')}")
+            print(
+                f"{r.batch:>6} {r.context:>8} {r.num_kv_splits:>6} {r.triton_us:>10.1f} "
+                f"{r.tbps:>6.2f} {r.pct_peak:>6.1f} {_fmt(r.sdpa_us, '>10.1f')} "
+                f"{_fmt(r.sdpa_tbps, '>9.2f')} {r.sdpa_mode:>8} {_fmt(r.max_abs_err, '>8.4f')}"
+            )
     if prefill:
-        print(f"\nPREFILL (causal; bf16, Hq {NUM_Q_HEADS} / Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, "
-              f"block {BLOCK_SIZE})")
-        print(f"{'batch':>6} {'context':>8} {'triton ms':>10} {'TFLOP/s':>8} {'sdpa ms':>9} "
-              f"{'sdpa TF/s':>9} {'vs sdpa':>8} {'sdpa':>8} {'max err':>8}")
+        print(
+            f"\nPREFILL (causal; bf16, Hq {NUM_Q_HEADS} / Hkv {NUM_KV_HEADS}, D {HEAD_DIM}, "
+            f"block {BLOCK_SIZE})"
+        )
+        print(
+            f"{'batch':>6} {'context':>8} {'triton ms':>10} {'TFLOP/s':>8} {'sdpa ms':>9} "
+            f"{'sdpa TF/s':>9} {'vs sdpa':>8} {'sdpa':>8} {'max err':>8}"
+        )
         for r in prefill:
             sdpa_ms = None if r.sdpa_us is None else r.sdpa_us / 1e3
-            print(f"{r.batch:>6} {r.context:>8} {r.triton_us / 1e3:>10.3f} {r.tflops:>8.1f} "
-                  f"{_fmt(sdpa_ms, '>9.3f')} {_fmt(r.sdpa_tflops, '>9.1f')} "
-                  f"{_fmt(r.ratio_vs_sdpa, '>8.2f')} {r.sdpa_mode:>8} "
-                  f"{_fmt(r.max_abs_err, '>8.4f')}")
+            print(
+                f"{r.batch:>6} {r.context:>8} {r.triton_us / 1e3:>10.3f} {r.tflops:>8.1f} "
+                f"{_fmt(sdpa_ms, '>9.3f')} {_fmt(r.sdpa_tflops, '>9.1f')} "
+                f"{_fmt(r.ratio_vs_sdpa, '>8.2f')} {r.sdpa_mode:>8} "
+                f"{_fmt(r.max_abs_err, '>8.4f')}"
+            )
 
 
 def _goals(rows: list[Row]) -> bool:
@@ -231,16 +252,20 @@ def _goals(rows: list[Row]) -> bool:
     if goal:
         met = goal[0].pct_peak >= GOAL_DECODE_PCT
         ok &= met
-        print(f"goal decode {GOAL_DECODE_CASE[0]}x{GOAL_DECODE_CASE[1]}: "
-              f"{goal[0].pct_peak:.1f}% of peak (>= {GOAL_DECODE_PCT}%) "
-              f"{'met' if met else 'MISSED'}")
+        print(
+            f"goal decode {GOAL_DECODE_CASE[0]}x{GOAL_DECODE_CASE[1]}: "
+            f"{goal[0].pct_peak:.1f}% of peak (>= {GOAL_DECODE_PCT}%) "
+            f"{'met' if met else 'MISSED'}"
+        )
     ratios = [r.ratio_vs_sdpa for r in rows if r.kind == "prefill" and r.ratio_vs_sdpa]
     if ratios:
         met = min(ratios) >= GOAL_PREFILL_RATIO
         ok &= met
         median = sorted(ratios)[len(ratios) // 2]
-        print(f"goal prefill: worst {min(ratios):.2f}x, median {median:.2f}x of SDPA "
-              f"(>= {GOAL_PREFILL_RATIO}) {'met' if met else 'MISSED'}")
+        print(
+            f"goal prefill: worst {min(ratios):.2f}x, median {median:.2f}x of SDPA "
+            f"(>= {GOAL_PREFILL_RATIO}) {'met' if met else 'MISSED'}"
+        )
     return ok
 
 
@@ -248,23 +273,31 @@ def run_benchmark(args) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("bench_kernels: no CUDA device (torch.cuda.is_available() is False); this "
-              "benchmark needs a GPU. Use --compile-only to check the kernels compile without one.",
-              file=sys.stderr)
+        print(
+            "bench_kernels: no CUDA device (torch.cuda.is_available() is False); this "
+            "benchmark needs a GPU. Use --compile-only to check the kernels compile without one.",
+            file=sys.stderr,
+        )
         return 2
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("bench_kernels: TRITON_INTERPRET is set; unset it to time the compiled kernels.",
-              file=sys.stderr)
+        print(
+            "bench_kernels: TRITON_INTERPRET is set; unset it to time the compiled kernels.",
+            file=sys.stderr,
+        )
         return 2
     props = torch.cuda.get_device_properties(0)
-    print(f"device: {props.name}, {props.multi_processor_count} SMs, "
-          f"{props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}")
+    print(
+        f"device: {props.name}, {props.multi_processor_count} SMs, "
+        f"{props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}"
+    )
     rows = []
     for kind, batch, context in _grid(args.quick):
         free, _ = torch.cuda.mem_get_info()
         if _bytes_needed(kind, batch, context) > 0.85 * free:
-            print(f"skip {kind} {batch}x{context}: needs more than the free "
-                  f"{free / 2**30:.1f} GiB", file=sys.stderr)
+            print(
+                f"skip {kind} {batch}x{context}: needs more than the free {free / 2**30:.1f} GiB",
+                file=sys.stderr,
+            )
             continue
         try:
             row = _case(kind, batch, context, args.peak_tbps)
@@ -288,8 +321,14 @@ def run_benchmark(args) -> int:
 # --- compile-only ---------------------------------------------------------------------------
 
 
-def _compile(kernel, pointer_types: dict[str, str], constexprs: dict, arch: int, num_warps: int,
-             num_stages: int):
+def _compile(
+    kernel,
+    pointer_types: dict[str, str],
+    constexprs: dict,
+    arch: int,
+    num_warps: int,
+    num_stages: int,
+):
     """Ahead-of-time compile one @triton.jit kernel for cuda sm_<arch>; returns the kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -310,8 +349,11 @@ def _compile(kernel, pointer_types: dict[str, str], constexprs: dict, arch: int,
             if name.startswith("stride_"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(
+        source,
+        target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=num_warps, num_stages=num_stages),
+    )
 
 
 def _compile_cases(quick: bool):
@@ -319,18 +361,44 @@ def _compile_cases(quick: bool):
     cases = []
     for kind, batch, context in _grid(quick):
         tokens = batch if kind == "decode" else batch * context
-        cases.append((f"bench {kind} {batch}x{context}", "bf16", HEAD_DIM, NUM_Q_HEADS,
-                      NUM_KV_HEADS, BLOCK_SIZE, tokens, batch, math.ceil(context / BLOCK_SIZE)))
+        cases.append(
+            (
+                f"bench {kind} {batch}x{context}",
+                "bf16",
+                HEAD_DIM,
+                NUM_Q_HEADS,
+                NUM_KV_HEADS,
+                BLOCK_SIZE,
+                tokens,
+                batch,
+                math.ceil(context / BLOCK_SIZE),
+            )
+        )
     for dtype in ("fp16", "fp32"):
         for head_dim in (64, 80, 96, 128):
             for group in (1, 8):
                 for tokens in (4, 4096):  # 4 decodes; 4 prefills of 1024
-                    cases.append((f"{dtype} D{head_dim} G{group} T{tokens}", dtype, head_dim,
-                                  2 * group, 2, BLOCK_SIZE, tokens, 4, 64))
+                    cases.append(
+                        (
+                            f"{dtype} D{head_dim} G{group} T{tokens}",
+                            dtype,
+                            head_dim,
+                            2 * group,
+                            2,
+                            BLOCK_SIZE,
+                            tokens,
+                            4,
+                            64,
+                        )
+                    )
             if quick:
                 break
     for tokens in (4, 4096):
         cases.append((f"bf16 D256 G2 T{tokens}", "bf16", 256, 4, 2, BLOCK_SIZE, tokens, 4, 64))
+    # a mixed step: 7 decodes and one 33-token chunk (64-row query blocks)
+    cases.append(
+        ("bf16 mixed T40 B8", "bf16", HEAD_DIM, NUM_Q_HEADS, NUM_KV_HEADS, BLOCK_SIZE, 40, 8, 256)
+    )
     return cases
 
 
@@ -358,24 +426,54 @@ def run_compile_only(args) -> int:
             )
             ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
             ptrs.update({n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")})
-            jobs.append((label, attention._paged_attention_kernel, ptrs, consts,
-                         config.num_warps, config.num_stages))
+            jobs.append(
+                (
+                    label,
+                    attention._paged_attention_kernel,
+                    ptrs,
+                    consts,
+                    config.num_warps,
+                    config.num_stages,
+                )
+            )
             if combine:
-                ptrs = {"out_ptr": f"*{dtype}", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
-                        "part_l_ptr": "*fp32"}
-                jobs.append((label + " combine", attention._combine_splits_kernel, ptrs, combine,
-                             attention.COMBINE_NUM_WARPS, 1))
+                ptrs = {
+                    "out_ptr": f"*{dtype}",
+                    "part_acc_ptr": "*fp32",
+                    "part_m_ptr": "*fp32",
+                    "part_l_ptr": "*fp32",
+                }
+                jobs.append(
+                    (
+                        label + " combine",
+                        attention._combine_splits_kernel,
+                        ptrs,
+                        combine,
+                        attention.COMBINE_NUM_WARPS,
+                        1,
+                    )
+                )
     for dtype in ("bf16", "fp16", "fp32"):
         ptrs = {n: f"*{dtype}" for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}
         ptrs["slot_mapping_ptr"] = "*i64"
-        consts = dict(NUM_HEADS=NUM_KV_HEADS, HEADS_PAD=NUM_KV_HEADS, HEAD_DIM=80, D_PAD=128,
-                      BLOCK_SIZE=BLOCK_SIZE)
+        consts = dict(
+            NUM_HEADS=NUM_KV_HEADS,
+            HEADS_PAD=NUM_KV_HEADS,
+            HEAD_DIM=80,
+            D_PAD=128,
+            BLOCK_SIZE=BLOCK_SIZE,
+        )
         jobs.append((f"store_kv {dtype}", store._store_kv_kernel, ptrs, consts, 4, 1))
 
     print(f"compiling for sm_{args.arch} (shared memory limit {limit} bytes)")
     for label, kernel, ptrs, consts, warps, stages in jobs:
-        key = (kernel.fn.__name__, tuple(sorted(ptrs.items())), tuple(sorted(consts.items())),
-               warps, stages)
+        key = (
+            kernel.fn.__name__,
+            tuple(sorted(ptrs.items())),
+            tuple(sorted(consts.items())),
+            warps,
+            stages,
+        )
         if key in seen:
             continue
         seen.add(key)
@@ -384,14 +482,18 @@ def run_compile_only(args) -> int:
             compiled = _compile(kernel, ptrs, consts, args.arch, warps, stages)
         except Exception as exc:  # report every failing configuration, not just the first
             failures += 1
-            print(f"FAIL {label}: {kernel.fn.__name__} {consts} warps={warps} stages={stages}: "
-                  f"{type(exc).__name__}: {exc}")
+            print(
+                f"FAIL {label}: {kernel.fn.__name__} {consts} warps={warps} stages={stages}: "
+                f"{type(exc).__name__}: {exc}"
+            )
             continue
         shared = compiled.metadata.shared
         status = "ok" if shared <= limit else "TOO MUCH SHARED MEMORY"
         failures += shared > limit
-        print(f"{status:>4} {label:<28} {kernel.fn.__name__:<24} smem {shared:>6} "
-              f"warps {warps} stages {stages} {time.perf_counter() - start:5.1f}s  {consts}")
+        print(
+            f"{status:>4} {label:<28} {kernel.fn.__name__:<24} smem {shared:>6} "
+            f"warps {warps} stages {stages} {time.perf_counter() - start:5.1f}s  {consts}"
+        )
     print(f"{len(seen)} configurations, {failures} failed")
     return 1 if failures else 0
 
@@ -402,15 +504,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
     parser.add_argument("--peak-tbps", type=float, default=4.8, help="HBM peak (H200: 4.8)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
-    parser.add_argument("--compile-only", action="store_true",
-                        help="compile the kernels for --arch without a GPU, check shared memory")
+    parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile the kernels for --arch without a GPU, check shared memory",
+    )
     parser.add_argument("--arch", type=int, default=90, help="sm_ arch for --compile-only")
     args = parser.parse_args(argv)
     try:
         import actorserve.kernels  # noqa: F401
     except ImportError:
-        print("bench_kernels: cannot import actorserve.kernels; run `pip install -e .` in the "
-              "repository first.", file=sys.stderr)
+        print(
+            "bench_kernels: cannot import actorserve.kernels; run `pip install -e .` in the "
+            "repository first.",
+            file=sys.stderr,
+        )
         return 2
     return run_compile_only(args) if args.compile_only else run_benchmark(args)
 

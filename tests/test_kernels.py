@@ -51,8 +51,15 @@ class Batch:
     scale: float
 
     def args(self):
-        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
-                self.query_start_loc, self.scale)
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+        )
 
 
 def make_batch(
@@ -142,8 +149,15 @@ def assert_matches_reference(batch: Batch, **kwargs) -> torch.Tensor:
     ],
 )
 def test_reference_matches_naive_per_token_loop(query_lens, seq_lens, block_size, heads):
-    batch = make_batch(query_lens, seq_lens, block_size=block_size, num_q_heads=heads[0],
-                       num_kv_heads=heads[1], head_dim=16, device="cpu")
+    batch = make_batch(
+        query_lens,
+        seq_lens,
+        block_size=block_size,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=16,
+        device="cpu",
+    )
     expected = naive_paged_attention(*batch.args())
     out = reference.paged_attention(*batch.args())
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
@@ -172,6 +186,15 @@ def test_mixed_prefill_and_decode_in_one_call():
     assert_matches_reference(make_batch([1, 20, 1, 7, 1], [50, 20, 9, 7, 130]))
 
 
+def test_sequence_with_no_queries_this_step_is_ignored():
+    batch = make_batch([1, 1, 5], [20, 9, 30])
+    # drop sequence 1's query: it stays in the batch with an empty query range
+    keep = [0, 2, 3, 4, 5, 6]
+    batch.q = batch.q[keep].contiguous()
+    batch.query_start_loc = torch.tensor([0, 1, 1, 6], dtype=torch.int32, device=DEVICE)
+    assert_matches_reference(batch)
+
+
 def test_prefill_chunk_attends_to_cached_prefix():
     # chunks of 24 and 9 queries after cached prefixes of 40 and 23 positions
     assert_matches_reference(make_batch([24, 9], [64, 32], block_size=8))
@@ -196,8 +219,7 @@ def test_block_sizes_with_shuffled_block_ids(block_size):
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 3])  # 3: a query block with padding rows
 def test_gqa_ratios(group):
-    batch = make_batch([1, 11, 1], [29, 40, 3], num_q_heads=2 * group, num_kv_heads=2,
-                       seed=group)
+    batch = make_batch([1, 11, 1], [29, 40, 3], num_q_heads=2 * group, num_kv_heads=2, seed=group)
     assert_matches_reference(batch)
 
 
@@ -207,8 +229,9 @@ def test_head_dims_including_non_powers_of_two(head_dim):
 
 
 def test_fp16_within_stated_tolerance():
-    batch = make_batch([1, 14, 1], [70, 30, 18], num_q_heads=8, num_kv_heads=2,
-                       dtype=torch.float16, head_dim=96)
+    batch = make_batch(
+        [1, 14, 1], [70, 30, 18], num_q_heads=8, num_kv_heads=2, dtype=torch.float16, head_dim=96
+    )
     assert_matches_reference(batch)
 
 
@@ -237,12 +260,23 @@ def test_random_mixed_batches_across_shapes(seed):
     for _ in range(int(torch.randint(1, 5, (1,), generator=gen))):
         kind = pick(["decode", "prefill", "chunk"])
         seq_len = int(torch.randint(1, 90, (1,), generator=gen))
-        q_len = {"decode": 1, "prefill": seq_len,
-                 "chunk": int(torch.randint(1, seq_len + 1, (1,), generator=gen))}[kind]
+        q_len = {
+            "decode": 1,
+            "prefill": seq_len,
+            "chunk": int(torch.randint(1, seq_len + 1, (1,), generator=gen)),
+        }[kind]
         query_lens.append(q_len)
         seq_lens.append(seq_len)
-    batch = make_batch(query_lens, seq_lens, block_size=block_size, num_q_heads=2 * group,
-                       num_kv_heads=2, head_dim=head_dim, dtype=dtype, seed=seed)
+    batch = make_batch(
+        query_lens,
+        seq_lens,
+        block_size=block_size,
+        num_q_heads=2 * group,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=seed,
+    )
     assert_matches_reference(batch)
     assert_matches_reference(batch, num_kv_splits=3)
 
@@ -279,8 +313,9 @@ def test_split_kv_with_prefill_chunks_and_fp16():
 
 def test_config_chooses_split_kv_for_few_long_decodes_only():
     def config(query_lens, seq_lens, **kw):
-        batch = make_batch(query_lens, seq_lens, num_q_heads=32, num_kv_heads=8,
-                           dtype=torch.float16, **kw)
+        batch = make_batch(
+            query_lens, seq_lens, num_q_heads=32, num_kv_heads=8, dtype=torch.float16, **kw
+        )
         return choose_config(batch.q, batch.k_cache, batch.block_tables, num_sms=132)
 
     assert config([1], [500]).num_kv_splits > 1  # 8 programs cannot fill 132 SMs
@@ -310,26 +345,49 @@ def _replace(batch: Batch, **changes) -> tuple:
 
 BAD_ATTENTION_ARGS = [
     ("q 2-D", lambda b: _replace(b, q=b.q[:, 0]), r"q must be \[T, Hq, D\]"),
-    ("int q", lambda b: _replace(b, q=b.q.int(), k_cache=b.k_cache.int(), v_cache=b.v_cache.int()),
-     "q dtype must be float16, bfloat16 or float32"),
-    ("cache dtype", lambda b: _replace(b, k_cache=b.k_cache.half()),
-     "k_cache dtype torch.float16 must equal q dtype torch.float32"),
+    (
+        "int q",
+        lambda b: _replace(b, q=b.q.int(), k_cache=b.k_cache.int(), v_cache=b.v_cache.int()),
+        "q dtype must be float16, bfloat16 or float32",
+    ),
+    (
+        "cache dtype",
+        lambda b: _replace(b, k_cache=b.k_cache.half()),
+        "k_cache dtype torch.float16 must equal q dtype torch.float32",
+    ),
     ("cache 3-D", lambda b: _replace(b, k_cache=b.k_cache[0]), r"k_cache must be \[num_blocks"),
     ("v shape", lambda b: _replace(b, v_cache=b.v_cache[:-1]), "v_cache shape .* must equal"),
-    ("head dim", lambda b: _replace(b, q=b.q[..., :32].contiguous()),
-     "k_cache head_dim 64 must equal q head_dim 32"),
-    ("gqa", lambda b: _replace(b, q=b.q[:, :3].contiguous()),
-     r"q heads \(3\) must be a multiple of k_cache heads \(2\)"),
-    ("q stride", lambda b: _replace(b, q=b.q.transpose(0, 2).contiguous().transpose(0, 2)),
-     "q must be contiguous in its last"),
-    ("table dtype", lambda b: _replace(b, block_tables=b.block_tables.long()),
-     "block_tables must be a 2-D int32 tensor"),
-    ("seq_lens len", lambda b: _replace(b, seq_lens=b.seq_lens[:1]),
-     r"seq_lens must be int32 of shape \[B\]=\(2,\)"),
-    ("seq_lens dtype", lambda b: _replace(b, seq_lens=b.seq_lens.long()),
-     "seq_lens must be int32"),
-    ("qsl len", lambda b: _replace(b, query_start_loc=b.query_start_loc[:2]),
-     r"query_start_loc must be int32 of shape \[B\+1\]=\(3,\)"),
+    (
+        "head dim",
+        lambda b: _replace(b, q=b.q[..., :32].contiguous()),
+        "k_cache head_dim 64 must equal q head_dim 32",
+    ),
+    (
+        "gqa",
+        lambda b: _replace(b, q=b.q[:, :3].contiguous()),
+        r"q heads \(3\) must be a multiple of k_cache heads \(2\)",
+    ),
+    (
+        "q stride",
+        lambda b: _replace(b, q=b.q.transpose(0, 2).contiguous().transpose(0, 2)),
+        "q must be contiguous in its last",
+    ),
+    (
+        "table dtype",
+        lambda b: _replace(b, block_tables=b.block_tables.long()),
+        "block_tables must be a 2-D int32 tensor",
+    ),
+    (
+        "seq_lens len",
+        lambda b: _replace(b, seq_lens=b.seq_lens[:1]),
+        r"seq_lens must be int32 of shape \[B\]=\(2,\)",
+    ),
+    ("seq_lens dtype", lambda b: _replace(b, seq_lens=b.seq_lens.long()), "seq_lens must be int32"),
+    (
+        "qsl len",
+        lambda b: _replace(b, query_start_loc=b.query_start_loc[:2]),
+        r"query_start_loc must be int32 of shape \[B\+1\]=\(3,\)",
+    ),
 ]
 
 
@@ -367,6 +425,18 @@ def test_store_kv_writes_rows_at_slots_and_skips_minus_one(cache_dtype):
     assert torch.equal(flat_k[untouched], before_k.view(-1, 2, 80)[untouched])
 
 
+def test_store_kv_never_writes_outside_the_cache():
+    """Caches are views into a buffer with a guard block on each side; slots -1 and
+    num_blocks * block_size (one past the end) are skipped, so the guards stay intact."""
+    k_buffer, v_buffer = _caches(num_blocks=8)
+    k_cache, v_cache = k_buffer[1:-1], v_buffer[1:-1]  # 6 blocks of 8 = slots 0..47
+    guards = k_buffer[[0, -1]].clone(), v_buffer[[0, -1]].clone()
+    k = torch.randn(4, 2, 80, device=DEVICE)
+    store_kv(k, k, k_cache, v_cache, torch.tensor([-1, 48, 0, -1], device=DEVICE))
+    assert torch.equal(k_buffer[[0, -1]], guards[0]) and torch.equal(v_buffer[[0, -1]], guards[1])
+    assert torch.equal(k_cache[0, 0], k[2]) and torch.equal(v_cache[0, 0], k[2])
+
+
 def test_store_kv_with_int32_slots_then_attention_sees_the_new_tokens():
     batch = make_batch([4, 1], [12, 21], block_size=8, num_q_heads=4, num_kv_heads=2)
     gen = torch.Generator().manual_seed(5)
@@ -384,15 +454,27 @@ def test_store_kv_with_int32_slots_then_attention_sees_the_new_tokens():
 
 
 BAD_STORE_ARGS = [
-    ("k heads", lambda k, v, kc, vc, s: (k[:, :1], v[:, :1], kc, vc, s),
-     r"k must be \[T, Hkv, D\] = \[T, 2, 80\]"),
+    (
+        "k heads",
+        lambda k, v, kc, vc, s: (k[:, :1], v[:, :1], kc, vc, s),
+        r"k must be \[T, Hkv, D\] = \[T, 2, 80\]",
+    ),
     ("v shape", lambda k, v, kc, vc, s: (k, v[:2], kc, vc, s), "v shape .* must equal k shape"),
-    ("float slots", lambda k, v, kc, vc, s: (k, v, kc, vc, s.float()),
-     "slot_mapping must be int32 or int64"),
-    ("slot count", lambda k, v, kc, vc, s: (k, v, kc, vc, s[:2]),
-     r"slot_mapping must be .* of shape \[T\]=\(3,\)"),
-    ("cache dtype", lambda k, v, kc, vc, s: (k, v, kc.int(), vc.int(), s),
-     "k_cache dtype must be float16, bfloat16 or float32"),
+    (
+        "float slots",
+        lambda k, v, kc, vc, s: (k, v, kc, vc, s.float()),
+        "slot_mapping must be int32 or int64",
+    ),
+    (
+        "slot count",
+        lambda k, v, kc, vc, s: (k, v, kc, vc, s[:2]),
+        r"slot_mapping must be .* of shape \[T\]=\(3,\)",
+    ),
+    (
+        "cache dtype",
+        lambda k, v, kc, vc, s: (k, v, kc.int(), vc.int(), s),
+        "k_cache dtype must be float16, bfloat16 or float32",
+    ),
     ("cache pair", lambda k, v, kc, vc, s: (k, v, kc, vc[:, :4], s), "v_cache shape .* must equal"),
     ("int k", lambda k, v, kc, vc, s: (k.int(), v, kc, vc, s), "k must be a floating tensor"),
 ]
@@ -410,17 +492,28 @@ def test_store_kv_rejects_bad_arguments(name, mutate, message):
 # --- compiled code paths, checked without a GPU -------------------------------------------------
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton.backends.nvidia") is None,
-                    reason="Triton's NVIDIA backend (ptxas) is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton.backends.nvidia") is None,
+    reason="Triton's NVIDIA backend (ptxas) is not installed",
+)
 def test_kernels_compile_for_hopper_within_shared_memory():
     """The interpreter never compiles; this builds every configuration the wrapper picks for the
     benchmark shapes (and fp16 / fp32 / head_dim variants) for sm_90, through ptxas."""
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, str(root / "scripts" / "bench_kernels.py"), "--compile-only", "--quick",
-         "--arch", "90"],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            str(root / "scripts" / "bench_kernels.py"),
+            "--compile-only",
+            "--quick",
+            "--arch",
+            "90",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert ", 0 failed" in result.stdout
@@ -433,25 +526,35 @@ def test_kernels_compile_for_hopper_within_shared_memory():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_large_mixed_batch(dtype):
     query_lens = [1] * 24 + [300, 77, 1024]
-    seq_lens = [int(x) for x in torch.randint(1, 3000, (24,))] + [1500, 77, 1024]
-    batch = make_batch(query_lens, seq_lens, num_q_heads=32, num_kv_heads=8, head_dim=128,
-                       dtype=dtype, seed=11)
+    gen = torch.Generator().manual_seed(11)
+    seq_lens = [int(x) for x in torch.randint(1, 3000, (24,), generator=gen)] + [1500, 77, 1024]
+    batch = make_batch(
+        query_lens, seq_lens, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=dtype, seed=11
+    )
     assert_matches_reference(batch)
 
 
 @gpu_test
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 def test_gpu_long_decodes_take_split_kv_automatically(head_dim):
-    batch = make_batch([1, 1], [8000, 3001], num_q_heads=32, num_kv_heads=8, head_dim=head_dim,
-                       dtype=torch.bfloat16, seed=head_dim)
+    batch = make_batch(
+        [1, 1],
+        [8000, 3001],
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seed=head_dim,
+    )
     assert choose_config(batch.q, batch.k_cache, batch.block_tables).num_kv_splits > 1
     assert_matches_reference(batch)
 
 
 @gpu_test
 def test_gpu_store_kv_bf16():
-    k_cache, v_cache = _caches(num_blocks=512, block_size=16, num_kv_heads=8, head_dim=128,
-                               dtype=torch.bfloat16)
+    k_cache, v_cache = _caches(
+        num_blocks=512, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16
+    )
     k = torch.randn(1000, 8, 128, device=DEVICE, dtype=torch.bfloat16)
     slots = torch.randperm(512 * 16, device=DEVICE)[:1000]
     slots[::7] = -1
