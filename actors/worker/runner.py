@@ -8,6 +8,7 @@ here, so a decode needs no token ids from the Scheduler.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -52,7 +53,9 @@ class ModelRunner:
         self.eos_token_ids = config.facts.eos_token_ids
         self.requests: dict[str, CachedRequest] = {}
         self.sampler = Sampler(config.seed)
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if cuda else None  # step inputs, KV swaps
+        self.compute_stream = torch.cuda.Stream(device) if cuda else None
 
     def apply(self, plan: StepPlan) -> list[tuple[str, int]]:
         """Update the persistent batch; return the step's (request id, tokens to compute)."""
@@ -132,8 +135,13 @@ class ModelRunner:
             dev = {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in host.items()}
             ready = torch.cuda.Event()
             ready.record(self.copy_stream)
-        torch.cuda.current_stream(self.device).wait_event(ready)
+        self.compute_stream.wait_event(ready)
         return dev
+
+    def _on_compute_stream(self):
+        if self.compute_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.compute_stream)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -141,17 +149,21 @@ class ModelRunner:
         scheduled = self.apply(plan)
         if not scheduled:
             return StepResult(plan.epoch, plan.step_id, [], [])
-        inputs = self.prepare(scheduled)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        tokens: list[int] = []
-        if inputs.sample_ids:
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_index))
-            tokens = self.sampler(logits, inputs.sample_rows)
+        with self._on_compute_stream():
+            inputs = self.prepare(scheduled)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            tokens: list[int] = []
+            if inputs.sample_ids:
+                logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_index))
+                tokens = self.sampler(logits, inputs.sample_rows)
         for rid, count in scheduled:
             self.requests[rid].num_computed += count
         for rid, token in zip(inputs.sample_ids, tokens):
             self.requests[rid].token_ids.append(token)
         return StepResult(
             plan.epoch,
-            plan.step_id, inputs.sample_ids, tokens, forward_s=time.perf_counter() - started
+            plan.step_id,
+            inputs.sample_ids,
+            tokens,
+            forward_s=time.perf_counter() - started,
         )
