@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -34,6 +35,13 @@ ENGINE_FLAGS = [  # (flag, EngineConfig field, type)
     ("--torch-threads", "torch_threads", int),
     ("--heartbeat-interval-s", "heartbeat_interval_s", float),
     ("--ready-timeout-s", "ready_timeout_s", float),
+    ("--max-restarts", "max_restarts", int),
+    ("--restart-window-s", "restart_window_s", float),
+    ("--drain-timeout-s", "drain_timeout_s", float),
+    ("--enable-prefix-caching", "enable_prefix_caching", lambda v: v.lower() in ("1", "true")),
+    ("--preemption-mode", "preemption_mode", str),
+    ("--preemption-victim", "preemption_victim", str),
+    ("--num-cpu-blocks", "num_cpu_blocks", int),
 ]
 
 
@@ -69,7 +77,14 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 # -- serve ------------------------------------------------------------------------------------
 
 
-async def serve(config: EngineConfig, address: str | None) -> int:
+async def serve(
+    config: EngineConfig, address: str | None, http: argparse.Namespace | None = None
+) -> int:
+    """Run the engine (and, with `http`, the gateway on it) until SIGTERM/SIGINT; the exit code.
+
+    SIGTERM: the gateway answers 503 to new requests, the engine drains those in flight (up to
+    drain_timeout_s), the gateway closes its connections, the actors stop; exit 0.
+    """
     try:
         supervisor = Supervisor(config, address)
     except (ValueError, OSError) as exc:
@@ -79,26 +94,75 @@ async def serve(config: EngineConfig, address: str | None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    gateway = None
+    if http is not None:
+        from .gateway.server import HTTPGateway  # FastAPI and uvicorn: only `serve` needs them
+
+        settings = gateway_settings(http, supervisor.config)
+        gateway = HTTPGateway(supervisor.client_address, settings, http.host, http.port)
+        try:
+            gateway.prepare()  # binds now; loads the tokenizer while the actors start
+        except OSError as exc:
+            log = logging.getLogger("actorserve")
+            log.error("cannot serve HTTP on %s port %s: %s", http.host, http.port, exc)
+            await supervisor.stop("the gateway could not start")
+            return 1
     try:
         await supervisor.start()
     except SupervisorError as exc:
         logging.getLogger("actorserve").error("cannot serve: %s", exc)
         return 1
     print(f"actorserve: serving {config.model} at {supervisor.client_address}", flush=True)
+    if gateway is not None:
+        try:
+            url = await gateway.start()
+        except Exception as exc:
+            logging.getLogger("actorserve").exception("cannot start the gateway: %s", exc)
+            await supervisor.stop("the gateway could not start")
+            return 1
+        print(f"actorserve: {url}", flush=True)
     waiter = asyncio.ensure_future(supervisor.wait())
     stopper = asyncio.ensure_future(stopping.wait())
-    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    watched = [waiter, stopper] + ([gateway.task] if gateway else [])
+    await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+    if gateway is not None and not stopper.done() and not waiter.done():
+        logging.getLogger("actorserve").error("the HTTP gateway stopped; stopping the engine")
+        await gateway.stop(0)
+        await supervisor.stop("the gateway stopped")
+        return 1
     if waiter.done():
         stopper.cancel()
+        if gateway is not None:
+            await gateway.stop(0)
         try:
             waiter.result()
         except SupervisorError as exc:
             logging.getLogger("actorserve").error("engine stopped: %s", exc)
             return 1
         return 0
+    if gateway is not None:
+        gateway.refuse_new()
+    await supervisor.drain()
+    if gateway is not None:
+        await gateway.stop()
     await supervisor.stop("SIGTERM")
     waiter.cancel()
     return 0
+
+
+def gateway_settings(args: argparse.Namespace, config: EngineConfig):
+    """The gateway's limits from the flags and the resolved engine config."""
+    from .gateway.service import GatewaySettings
+
+    return GatewaySettings(
+        model_id=config.model,
+        model_dir=config.model,
+        max_model_len=config.max_model_len,
+        vocab_size=config.facts.vocab_size,
+        api_key=args.api_key or None,
+        max_concurrent_requests=args.max_concurrent_requests or config.max_live_requests,
+        max_body_bytes=args.max_body_bytes,
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -110,9 +174,9 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvloop
 
-        return uvloop.run(serve(config, args.address))
+        return uvloop.run(serve(config, args.address, args))
     except ImportError:
-        return asyncio.run(serve(config, args.address))
+        return asyncio.run(serve(config, args.address, args))
 
 
 # -- generate ---------------------------------------------------------------------------------
@@ -153,6 +217,28 @@ def run_generate(args: argparse.Namespace) -> int:
             stack.stop()
 
 
+def run_status(args: argparse.Namespace) -> int:
+    """Print each actor's name, PID, state, restarts and heartbeat age, and the engine's stats."""
+    try:
+        with Client(args.address) as client:
+            health = client.health(timeout_s=args.timeout_s)
+    except EngineError as exc:
+        print(f"actorserve status: {exc}", file=sys.stderr)
+        return 1
+    print(f"{'actor':<14}{'pid':>8}  {'state':<11}{'restarts':>9}{'heartbeat age':>15}")
+    for actor in health.actors:
+        print(
+            f"{actor.name:<14}{actor.pid:>8}  {actor.state:<11}{actor.restarts:>9}"
+            f"{actor.heartbeat_age_s:>14.2f}s"
+        )
+    s = health.stats
+    print(
+        f"requests: {s.num_running} running, {s.num_waiting} waiting; preemptions "
+        f"{s.num_preemptions}; KV blocks {s.blocks_used}/{s.blocks_total} used"
+    )
+    return 0 if health.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="actorserve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -163,6 +249,26 @@ def main(argv: list[str] | None = None) -> int:
         "--address",
         default=None,
         help="client address (tcp://HOST:PORT or ipc://PATH); default ipc:// in the run directory",
+    )
+    web = p.add_argument_group("gateway (HTTP + WebSocket)")
+    web.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+    web.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one")
+    web.add_argument(
+        "--api-key",
+        default=os.environ.get("ACTORSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $ACTORSERVE_API_KEY)",
+    )
+    web.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help="answer 429 over this many requests in flight (default: max_live_requests)",
+    )
+    web.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="largest request body accepted (default 8 MiB)",
     )
     p.set_defaults(func=run_serve)
 
@@ -178,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default=None, help="use an engine already serving there")
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.set_defaults(func=run_generate)
+
+    p = commands.add_parser("status", help="list the actors of a running engine")
+    p.add_argument("--address", required=True)
+    p.add_argument("--timeout-s", type=float, default=5.0)
+    p.set_defaults(func=run_status)
 
     args = parser.parse_args(argv)
     configure_logging()

@@ -9,6 +9,7 @@ Dies when: Stop, SIGTERM, or its supervisor goes away.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from ..messages.blocks import AllocateStep, Allocation, FreeBlocks
@@ -26,24 +27,44 @@ class BlockManager(Actor):
     def __init__(self, config):
         super().__init__(config)
         if config.num_kv_blocks is None:
-            raise ValueError(
-                "num_kv_blocks must be resolved (from the Worker's Ready) before start"
-            )
-        self.pool = BlockPool(config.num_kv_blocks, config.block_size)
+            raise ValueError("num_kv_blocks must be resolved (the Worker's Ready) before start")
+        self.pool = self._new_pool()
         self.epoch = config.epoch
 
+    def _new_pool(self) -> BlockPool:
+        cfg = self.config
+        return BlockPool(
+            cfg.num_kv_blocks,
+            cfg.block_size,
+            prefix_caching=cfg.enable_prefix_caching,
+            num_cpu_blocks=cfg.num_cpu_blocks or 0,
+            swap=cfg.preemption_mode == "swap",
+        )
+
     def ready(self) -> Ready:
-        return Ready(actor=self.name, pid=super().ready().pid, num_kv_blocks=self.pool.num_blocks)
+        return Ready(actor=self.name, pid=os.getpid(), num_kv_blocks=self.pool.num_blocks)
 
     def on_reset(self, message: Reset) -> None:
         self.epoch = message.epoch
-        self.pool = BlockPool(self.pool.num_blocks, self.pool.block_size)
+        self.pool = self._new_pool()
 
     def on_allocate_step(self, message: AllocateStep) -> None:
         if message.epoch != self.epoch:
             return
-        granted, preempted, denied = self.pool.allocate_step(message.needs)
-        self.send("scheduler", Allocation(self.epoch, message.step_id, granted, preempted, denied))
+        out = self.pool.allocate_step(message.needs)
+        self.send(
+            "scheduler",
+            Allocation(
+                self.epoch,
+                message.step_id,
+                out.granted,
+                out.preempted,
+                out.denied,
+                out.swapped,
+                out.swap_out,
+                out.swap_in,
+            ),
+        )
 
     def on_free_blocks(self, message: FreeBlocks) -> None:
         if message.epoch != self.epoch:
@@ -52,9 +73,12 @@ class BlockManager(Actor):
             self.pool.free(request_id)
 
     def on_stats_query(self, message: StatsQuery) -> None:
-        message.stats.blocks_total = self.pool.num_blocks
-        message.stats.blocks_free = self.pool.num_free
-        self.send("engine", StatsReply(message.query_id, message.stats))
+        stats = message.stats
+        stats.blocks_total = self.pool.num_blocks
+        stats.blocks_free = self.pool.num_free
+        stats.prefix_query_tokens = self.pool.query_tokens
+        stats.prefix_hit_tokens = self.pool.hit_tokens
+        self.send("engine", StatsReply(message.query_id, stats))
 
 
 if __name__ == "__main__":

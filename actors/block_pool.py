@@ -1,27 +1,109 @@
-"""The KV block pool: a free list and one block table per request.
+"""The KV block pool: ref-counted blocks, one block table per request, prefix caching, swap space.
 
-Invariant: every block id in [0, num_blocks) is either in the free list or in exactly one table,
-and a request with a table of k blocks has room for k * block_size tokens.
+Invariants (checked by tests/test_block_pool.py after every operation):
+- a block with ref_count 0 is in the free queue; a block with ref_count k > 0 appears k times
+  across all block tables and is not in the free queue;
+- a request whose table has n blocks has room for n * block_size tokens;
+- a full block of a request may carry a hash chained over all tokens up to its end
+  (hash(parent_hash, its tokens)); `cached` maps such hashes to blocks, and a cached block keeps
+  its content until it is handed out again as a fresh block (evicted least-recently-freed first).
+A new request reuses the longest chain of cached full blocks whose tokens match, always leaving
+at least one prompt token to compute (the step that computes it produces the logits).
+Swapped-out requests hold CPU blocks instead (a plain free list: CPU blocks are never cached).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from ..messages.blocks import BlockNeed, Grant
 
 
+@dataclass
+class StepBlocks:
+    """What one step's allocation decided; see AllocateStep and Allocation."""
+
+    granted: list[Grant] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # lost their blocks: recompute
+    swapped: list[str] = field(default_factory=list)  # KV moved to CPU blocks
+    denied: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu), copy first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu), copy second
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "parent", "tokens")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.parent: int | None = None
+        self.tokens: tuple[int, ...] = ()
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        watermark: float = 0.01,
+        prefix_caching: bool = True,
+        num_cpu_blocks: int = 0,
+        swap: bool = False,
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = int(num_blocks * watermark)
-        self._free: deque[int] = deque(range(num_blocks))
+        self.prefix_caching = prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # chained hash -> block id
         self.tables: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}  # what the pool has been told of each request
+        self.chain: dict[str, tuple[int, int | None]] = {}  # (full blocks hashed, last hash)
+        self.swap = swap
+        self.num_cpu_blocks = num_cpu_blocks
+        self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.swapped: dict[str, list[int]] = {}  # request -> its CPU blocks, in order
+        self.query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.hit_tokens = 0  # of which found
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_cpu_free(self) -> int:
+        return len(self._cpu_free)
+
+    # -- blocks --------------------------------------------------------------------------------
+
+    def _take_fresh(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict its cached content
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash = block.parent = None
+            block.tokens = ()
+        block.ref_count = 1
+        return block_id
+
+    def _take_cached(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _release(self, block_ids: list[int]) -> None:
+        """Drop one reference to each; the last blocks of a table are evicted first."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """New blocks a request needs to hold `num_tokens` tokens in total."""
@@ -31,56 +113,167 @@ class BlockPool:
     def allocate(self, request_id: str, count: int) -> list[int]:
         if count > len(self._free):
             raise RuntimeError(f"allocate {count} blocks with {len(self._free)} free")
-        new = [self._free.popleft() for _ in range(count)]
+        new = [self._take_fresh() for _ in range(count)]
         self.tables.setdefault(request_id, []).extend(new)
         return new
 
     def free(self, request_id: str) -> int:
-        """Return a request's blocks to the pool; unknown ids are a no-op (frees are idempotent)."""
+        """Return a request's blocks (GPU and CPU); unknown ids are a no-op (idempotent)."""
+        self.tokens.pop(request_id, None)
+        self.chain.pop(request_id, None)
+        self._cpu_free.extend(reversed(self.swapped.pop(request_id, [])))
         blocks = self.tables.pop(request_id, None)
         if not blocks:
             return 0
-        self._free.extend(blocks)
+        self._release(blocks)
         return len(blocks)
 
-    def allocate_step(self, needs: list[BlockNeed]) -> tuple[list[Grant], list[str], list[str]]:
-        """Allocate for one step's needs, given in priority order; see `AllocateStep`.
+    # -- prefix cache --------------------------------------------------------------------------
 
-        Returns (granted, preempted, denied). Preempted requests have lost all their blocks.
-        """
-        granted: list[Grant] = []
-        preempted: list[str] = []
-        denied: list[str] = []
+    def _chain(self, tokens: list[int], count: int, parent: int | None, start: int = 0):
+        """Yield (hash, parent hash, block tokens) for full blocks start..count-1."""
+        bs = self.block_size
+        for i in range(start, count):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = hash((parent, chunk))
+            yield h, parent, chunk
+            parent = h
+
+    def _lookup(self, tokens: list[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of `tokens`, leaving >= 1 token to compute."""
+        if not self.prefix_caching:
+            return []
+        hits: list[int] = []
+        usable = (len(tokens) - 1) // self.block_size
+        for h, parent, chunk in self._chain(tokens, usable, None):
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.tokens != chunk or block.parent != parent:
+                break  # a hash collision: the tokens do not match
+            hits.append(block_id)
+        return hits
+
+    def _register(self, request_id: str, num_tokens: int) -> None:
+        """Hash the request's blocks that are full once `num_tokens` are computed."""
+        if not self.prefix_caching:
+            return
+        table, tokens = self.tables[request_id], self.tokens[request_id]
+        done, parent = self.chain.get(request_id, (0, None))
+        full = min(num_tokens, len(tokens)) // self.block_size
+        for i, (h, parent_h, chunk) in enumerate(self._chain(tokens, full, parent, done), done):
+            block = self.blocks[table[i]]
+            if block.hash is None and h not in self.cached:
+                block.hash, block.parent, block.tokens = h, parent_h, chunk
+                self.cached[h] = block.block_id
+            parent = h
+        self.chain[request_id] = (max(full, done), parent)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def allocate_step(self, needs: list[BlockNeed]) -> StepBlocks:
+        """Allocate for one step's needs, given in priority order; see `AllocateStep`."""
+        out = StepBlocks()
         gone: set[str] = set()
         tail = len(needs)  # needs[tail:] are preempted running requests
         for index, need in enumerate(needs):
             rid = need.request_id
             if rid in gone:
                 continue
-            want = self.blocks_needed(rid, need.num_tokens)
             if need.is_new:
-                if denied or not self._admits(want):
-                    denied.append(rid)
+                grant = None if out.denied else self._admit(need, out)
+                if grant is None:
+                    out.denied.append(rid)
                 else:
-                    granted.append(Grant(rid, self.allocate(rid, want)))
+                    out.granted.append(grant)
                 continue
+            self.tokens[rid].extend(need.token_ids)
+            target = need.num_computed + need.num_new_tokens
+            want = self.blocks_needed(rid, target)
             while want > len(self._free) and tail > index + 1:
                 tail -= 1
                 victim = needs[tail]
                 if not victim.is_new and victim.request_id not in gone:
-                    self.free(victim.request_id)
                     gone.add(victim.request_id)
-                    preempted.append(victim.request_id)
+                    self._preempt(victim.request_id, out)
             if want <= len(self._free):
-                granted.append(Grant(rid, self.allocate(rid, want)))
+                new = self.allocate(rid, want)
+                self._register(rid, target)
+                out.granted.append(Grant(rid, new, need.num_computed, need.num_new_tokens))
             else:
-                self.free(rid)
                 gone.add(rid)
-                preempted.append(rid)
-        return granted, preempted, denied
+                self._preempt(rid, out)
+        return out
+
+    def _preempt(self, request_id: str, out: StepBlocks) -> None:
+        pairs = self.swap_out(request_id) if self.swap else None
+        if pairs is None:
+            self.free(request_id)
+            out.preempted.append(request_id)
+        else:
+            out.swapped.append(request_id)
+            out.swap_out.extend(pairs)
+
+    def _admit(self, need: BlockNeed, out: StepBlocks) -> Grant | None:
+        """A waiting request: swap its KV back in, or reuse cached prefix blocks and allocate
+        the rest; None when it does not fit (it waits)."""
+        rid, tokens = need.request_id, list(need.token_ids)
+        if rid in self.swapped:
+            computed, count = need.num_computed, need.num_new_tokens
+            extra = -(-(computed + count) // self.block_size) - len(self.swapped[rid])
+            if not self._admits(len(self.swapped[rid]) + extra):
+                return None
+            out.swap_in.extend(self.swap_in(rid))
+            self.allocate(rid, extra)
+            self.tokens[rid] = tokens
+        else:
+            hits = self._lookup(tokens) if need.num_computed == 0 else []
+            computed = max(need.num_computed, len(hits) * self.block_size)
+            count = min(need.num_new_tokens, len(tokens) - computed)
+            want = -(-(computed + count) // self.block_size) - len(hits)
+            reclaimed = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+            if not self._admits(want + reclaimed):
+                return None
+            if need.num_computed == 0:
+                self.query_tokens += len(tokens)
+                self.hit_tokens += len(hits) * self.block_size
+            for block_id in hits:
+                self._take_cached(block_id)
+            self.tables[rid] = list(hits)
+            self.tokens[rid] = tokens
+            self.allocate(rid, want)
+        self._register(rid, computed + count)
+        return Grant(rid, list(self.tables[rid]), computed, count)
 
     def _admits(self, want: int) -> bool:
         """A new request keeps a watermark of free blocks, unless the pool is otherwise idle."""
         if not self.tables:
             return want <= len(self._free)
         return want <= len(self._free) - self.watermark_blocks
+
+    # -- swap ----------------------------------------------------------------------------------
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move a request's KV to CPU blocks: [(gpu block, cpu block)] to copy, or None when
+        swap space is short (then the caller recomputes instead)."""
+        table = self.tables.get(request_id, [])
+        if len(table) > len(self._cpu_free):
+            return None
+        cpu = [self._cpu_free.pop() for _ in table]
+        self.swapped[request_id] = cpu
+        self.tables.pop(request_id)
+        self.tokens.pop(request_id, None)
+        self.chain.pop(request_id, None)
+        self._release(table)
+        return list(zip(table, cpu))
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back: [(cpu block, gpu block)] to copy, or None if short."""
+        cpu = self.swapped.get(request_id)
+        if cpu is None or len(cpu) > len(self._free):
+            return None
+        del self.swapped[request_id]
+        gpu = self.allocate(request_id, len(cpu))
+        self._cpu_free.extend(reversed(cpu))
+        return list(zip(cpu, gpu))

@@ -13,6 +13,8 @@ from pathlib import Path
 import msgspec
 
 ACTORS = ("worker", "block_manager", "scheduler", "engine")  # start order; stop is the reverse
+PREEMPTION_MODES = ("recompute", "swap")
+VICTIM_POLICIES = ("fewest_computed", "last_admitted")
 
 
 class ModelFacts(msgspec.Struct, frozen=True):
@@ -61,6 +63,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_live_requests: int = 1024  # over this, new requests get an `overloaded` error
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # or "swap": KV to a CPU block pool and back
+    preemption_victim: str = "fewest_computed"  # or "last_admitted"
+    num_cpu_blocks: int | None = None  # swap space; None: as many as GPU blocks in swap mode
     device: str = "auto"
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
     attention_backend: str = "auto"
@@ -85,6 +91,21 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, ">= 1"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, ">= 2"),
             ("heartbeat_interval_s", self.heartbeat_interval_s > 0, "> 0"),
+            (
+                "preemption_mode",
+                self.preemption_mode in PREEMPTION_MODES,
+                f"one of {PREEMPTION_MODES}",
+            ),
+            (
+                "preemption_victim",
+                self.preemption_victim in VICTIM_POLICIES,
+                f"one of {VICTIM_POLICIES}",
+            ),
+            (
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens >= self.max_num_seqs,
+                f">= max_num_seqs ({self.max_num_seqs}) so every running decode fits in a step",
+            ),
         ]
         for name, ok, limit in checks:
             if not ok:
@@ -101,7 +122,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         return msgspec.structs.replace(self, facts=facts, max_model_len=max_len)
 
-    def resolve_kv_blocks(self, num_kv_blocks: int) -> EngineConfig:
+    def resolve_kv_blocks(self, num_kv_blocks: int, num_cpu_blocks: int = 0) -> EngineConfig:
         """Fix the block count the Worker measured; every sequence must fit in the cache alone."""
         capacity = num_kv_blocks * self.block_size
         if self.max_model_len is not None and capacity < self.max_model_len:
@@ -110,7 +131,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"{self.block_size}), less than max_model_len={self.max_model_len}: raise "
                 f"kv_cache_memory_gb / num_kv_blocks or lower max_model_len"
             )
-        return msgspec.structs.replace(self, num_kv_blocks=num_kv_blocks)
+        return msgspec.structs.replace(
+            self, num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks
+        )
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)

@@ -17,6 +17,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from ..messages.client import (
@@ -164,7 +165,7 @@ class Engine(Actor):
                 f"prompt is {len(prompt_ids)} tokens, max_model_len is {max_len}: the prompt "
                 f"must be at most {max_len - 1} tokens to leave room for one output token"
             )
-        request = AddRequest(rid, prompt_ids, message.params)
+        request = AddRequest(rid, prompt_ids, message.params, [], message.priority)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         self.live[rid] = LiveRequest(identity, request, detok)
         self.send("scheduler", request)
@@ -209,6 +210,7 @@ class Engine(Actor):
             delta = self._delta(
                 output.request_id, live, text, output.token_ids, output.finish_reason
             )
+            delta.cached_tokens = output.cached_tokens
             self.reply(live.identity, delta)
 
     @staticmethod
@@ -242,16 +244,10 @@ class Engine(Actor):
     def on_recover(self, message: Recover) -> None:
         self.log.warning("epoch %d: re-submitting %d live requests", message.epoch, len(self.live))
         for live in self.live.values():
-            request = live.request
-            self.send(
-                "scheduler",
-                AddRequest(
-                    request.request_id,
-                    request.prompt_token_ids,
-                    request.params,
-                    list(live.output_token_ids),
-                ),
+            resumed = msgspec.structs.replace(
+                live.request, output_token_ids=list(live.output_token_ids)
             )
+            self.send("scheduler", resumed)
 
     def on_drain(self, message: Drain) -> None:
         self.draining = True

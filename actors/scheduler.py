@@ -7,11 +7,18 @@ TokensOut, Recover -> Engine.
 Owns: the waiting queue and running set, every request's tokens and computed-token count.
 Dies when: Stop, SIGTERM, or its supervisor goes away.
 
-A step: pick requests under `max_num_seqs` and `max_num_batched_tokens` (running ones first,
-decodes before prefill chunks, then waiting ones in FCFS order; a prompt longer than what is left
-of the budget is prefilled in chunks) -> one AllocateStep round trip (the BlockManager preempts
-from the tail when blocks run out) -> StepPlan with only what changed -> StepResult -> stop checks
--> TokensOut. Blocks are freed only between steps, so no block is reused while a step runs on it.
+A step: pick requests under `max_num_seqs` and `max_num_batched_tokens` -> one AllocateStep round
+trip (the BlockManager reuses cached prefixes, and preempts from the tail when blocks run out)
+-> StepPlan with only what changed -> StepResult -> stop checks -> TokensOut. Blocks are freed
+only between steps, so no block is reused while a step runs on it.
+
+The budget goes to every running decode first, then to running prefill chunks, then to waiting
+requests by (priority, arrival). Since max_num_batched_tokens >= max_num_seqs (checked at start),
+a running decode is never skipped: however long a prompt, it delays each decode by at most one
+step whose size is bounded by the token budget. A waiting request of higher priority than the
+lowest running one takes that one's seat when none is free (the displaced one is recomputed).
+Preemption victims (the tail of AllocateStep.needs) are the lowest priority, then either the
+fewest computed tokens (least work lost, the default) or the last admitted.
 
 Recovery: on Reset(epoch) the Scheduler forgets every request, forwards Reset to the BlockManager
 and Worker (which clear theirs) and sends Recover to the Engine, which re-submits its journal.
@@ -20,8 +27,9 @@ Allocations and StepResults of another epoch are stale and dropped.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import sys
-from collections import deque
 
 from ..messages.blocks import AllocateStep, Allocation, BlockNeed, FreeBlocks
 from ..messages.codec import SchedulerInbox
@@ -44,18 +52,39 @@ from .runtime import Actor, actor_main
 class Request:
     """The Scheduler's view of one request. `token_ids` = prompt + sampled tokens."""
 
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "num_computed", "stops")
+    __slots__ = (
+        "request_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "params",
+        "num_computed",
+        "stops",
+        "priority",
+        "arrival",
+        "told_block_manager",
+        "swapped",
+        "cached_tokens",
+    )
 
-    def __init__(self, message: AddRequest, eos_token_ids: list[int]):
+    def __init__(self, message: AddRequest, eos_token_ids: list[int], arrival: int):
         self.request_id = message.request_id
         self.token_ids = list(message.prompt_token_ids) + list(message.output_token_ids)
         self.num_prompt_tokens = len(message.prompt_token_ids)
         self.params: SamplingParams = message.params
+        self.priority = message.priority
+        self.arrival = arrival
         self.num_computed = 0
+        self.told_block_manager = 0  # tokens of token_ids the BlockManager has seen
+        self.swapped = False  # KV waits in CPU blocks; num_computed stays valid
+        self.cached_tokens: int | None = None  # set when first admitted
         stops = set(message.params.stop_token_ids)
         if not message.params.ignore_eos:
             stops.update(eos_token_ids)
         self.stops = frozenset(stops)
+
+    @property
+    def queue_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival)
 
     @property
     def num_output(self) -> int:
@@ -79,21 +108,23 @@ class Scheduler(Actor):
         self.eos_token_ids = config.facts.eos_token_ids
         self.max_model_len = config.max_model_len
         self.epoch = config.epoch
+        self.arrivals = itertools.count()
         self._clear()
         self.num_preemptions = 0
+        self.num_swaps = 0
         self.num_steps = 0
         self.num_partial_prefills = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
     def _clear(self) -> None:
-        self.waiting: deque[Request] = deque()
-        self.running: dict[str, Request] = {}  # admission order
+        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.running: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.worker_knows: set[str] = set()  # in the Worker's persistent batch
         self.removed: list[str] = []  # to drop from the Worker's batch with the next plan
         self.step_id = 0
-        self.pending: dict[str, int] | None = None  # request -> tokens, awaiting Allocation
+        self.pending: dict[str, Request] | None = None  # awaiting Allocation
         self.in_flight: list[tuple[Request, int]] | None = None  # awaiting StepResult
 
     def on_reset(self, message: Reset) -> None:
@@ -113,21 +144,23 @@ class Scheduler(Actor):
     def on_add_request(self, message: AddRequest) -> None:
         if message.request_id in self.requests:
             return  # a re-sent request (the Engine's journal) that is already here
-        request = Request(message, self.eos_token_ids)
+        request = Request(message, self.eos_token_ids, next(self.arrivals))
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
         self.prompt_tokens += request.num_prompt_tokens
         self.schedule()
+
+    def _enqueue(self, request: Request) -> None:
+        keys = [r.queue_key for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, request.queue_key), request)
 
     def on_abort_requests(self, message: AbortRequests) -> None:
         aborted = [self.requests[rid] for rid in message.request_ids if rid in self.requests]
         for request in aborted:
             self._finish(request)
         if aborted:
-            self.send(
-                "engine",
-                TokensOut([RequestOutput(r.request_id, [], FinishReason.ABORT) for r in aborted]),
-            )
+            outputs = [RequestOutput(r.request_id, [], FinishReason.ABORT) for r in aborted]
+            self.send("engine", TokensOut(outputs))
 
     def _finish(self, request: Request) -> None:
         """Forget a request; its blocks go back to the pool (FreeBlocks precedes any new step)."""
@@ -137,16 +170,32 @@ class Scheduler(Actor):
             del self.running[rid]
         else:
             self.waiting.remove(request)
+        self._forget_in_worker(rid)
+        self.send("block_manager", FreeBlocks(self.epoch, [rid]))
+
+    def _forget_in_worker(self, rid: str) -> None:
         if rid in self.worker_knows:
             self.worker_knows.discard(rid)
             self.removed.append(rid)
-        self.send("block_manager", FreeBlocks(self.epoch, [rid]))
+
+    def _preempt(self, request: Request, swapped: bool) -> None:
+        """Back to the queue (at its place by priority and arrival). Recompute unless swapped."""
+        del self.running[request.request_id]
+        request.swapped = swapped
+        request.told_block_manager = 0  # the BlockManager forgot its tokens either way
+        if not swapped:
+            request.num_computed = 0
+        self._forget_in_worker(request.request_id)
+        self._enqueue(request)
+        self.num_preemptions += 1
+        self.num_swaps += swapped
 
     def on_stats_query(self, message: StatsQuery) -> None:
         stats = message.stats
         stats.num_running = len(self.running)
         stats.num_waiting = len(self.waiting)
         stats.num_preemptions = self.num_preemptions
+        stats.num_swaps = self.num_swaps
         stats.num_steps = self.num_steps
         stats.num_partial_prefills = self.num_partial_prefills
         stats.prompt_tokens = self.prompt_tokens
@@ -161,74 +210,110 @@ class Scheduler(Actor):
             return
         if not self.running and not self.waiting:
             return
+        self._make_seats()
         budget = self.config.max_num_batched_tokens
-        needs: list[BlockNeed] = []
-        pending: dict[str, int] = {}
-        running = sorted(self.running.values(), key=lambda r: len(r.token_ids) - r.num_computed > 1)
-        for request in running:  # decodes first (stable sort), then prefill chunks
+        counts: dict[str, int] = {}
+        decodes_first = sorted(
+            self.running.values(), key=lambda r: len(r.token_ids) - r.num_computed > 1
+        )
+        for request in decodes_first:
             count = min(len(request.token_ids) - request.num_computed, budget)
             if count <= 0:
                 break
-            needs.append(BlockNeed(request.request_id, request.num_computed + count, False))
-            pending[request.request_id] = count
+            counts[request.request_id] = count
             budget -= count
+        needs = [
+            self._need(r, counts[r.request_id], False)
+            for r in sorted(
+                (r for r in self.running.values() if r.request_id in counts), key=self._victim_last
+            )
+        ]
+        pending = {r.request_id: r for r in self.running.values() if r.request_id in counts}
         seats = self.config.max_num_seqs - len(self.running)
         for request in self.waiting:
             if seats <= 0 or budget <= 0:
                 break
             count = min(len(request.token_ids) - request.num_computed, budget)
-            needs.append(BlockNeed(request.request_id, request.num_computed + count, True))
-            pending[request.request_id] = count
+            needs.append(self._need(request, count, True))
+            pending[request.request_id] = request
             budget -= count
             seats -= 1
         self.step_id += 1
         self.pending = pending
         self.send("block_manager", AllocateStep(self.epoch, self.step_id, needs))
 
+    def _victim_last(self, request: Request):
+        """Sort key of running requests: the last ones are preempted first."""
+        if self.config.preemption_victim == "fewest_computed":
+            return (request.priority, -request.num_computed, request.arrival)
+        return request.queue_key
+
+    def _need(self, request: Request, count: int, is_new: bool) -> BlockNeed:
+        told = request.told_block_manager
+        request.told_block_manager = len(request.token_ids)
+        return BlockNeed(
+            request.request_id, request.num_computed, count, is_new, request.token_ids[told:]
+        )
+
+    def _make_seats(self) -> None:
+        """Waiting requests of higher priority displace the lowest-priority running ones."""
+        while self.waiting and len(self.running) >= self.config.max_num_seqs:
+            worst = max(self.running.values(), key=lambda r: r.queue_key)
+            if self.waiting[0].priority >= worst.priority:
+                return
+            self.send("block_manager", FreeBlocks(self.epoch, [worst.request_id]))
+            self._preempt(worst, swapped=False)
+
     def on_allocation(self, message: Allocation) -> None:
         if message.epoch != self.epoch or message.step_id != self.step_id or self.pending is None:
             return  # stale: from before a reset
         pending, self.pending = self.pending, None
-        for rid in reversed(message.preempted):  # back to the queue's front, in order
-            if rid not in self.requests:  # aborted while the allocation was on its way
-                continue
-            request = self.running.pop(rid)
-            request.num_computed = 0
-            self.waiting.appendleft(request)
-            if rid in self.worker_knows:
-                self.worker_knows.discard(rid)
-                self.removed.append(rid)
-            self.num_preemptions += 1
-        plan = StepPlan(self.epoch, self.step_id, self.removed, [], [])
+        for rid in message.denied:  # not admitted: the BlockManager forgot what it was told
+            if rid in self.requests:
+                self.requests[rid].told_block_manager = 0
+        for rids, swapped in ((message.preempted, False), (message.swapped, True)):
+            for rid in rids:
+                if rid in self.requests:  # else aborted while the allocation was on its way
+                    self._preempt(self.requests[rid], swapped)
+        plan = StepPlan(
+            self.epoch, self.step_id, self.removed, [], [], message.swap_out, message.swap_in
+        )
         self.removed = []
         in_flight: list[tuple[Request, int]] = []
         for grant in message.granted:
-            request = self.requests.get(grant.request_id)
-            if request is None:  # aborted meanwhile; its FreeBlocks followed the AllocateStep
-                continue
-            count = pending[grant.request_id]
-            in_flight.append((request, count))
+            request = pending[grant.request_id]
+            if grant.request_id not in self.requests:
+                continue  # aborted meanwhile; its FreeBlocks followed the AllocateStep
+            in_flight.append((request, grant.num_new_tokens))
             if grant.request_id in self.worker_knows:
-                plan.running.append(RunningUpdate(grant.request_id, grant.new_block_ids, count))
+                plan.running.append(
+                    RunningUpdate(grant.request_id, grant.block_ids, grant.num_new_tokens)
+                )
                 continue
             if grant.request_id not in self.running:
                 self.waiting.remove(request)
                 self.running[request.request_id] = request
+                if request.cached_tokens is None:
+                    request.cached_tokens = grant.num_computed
+                request.swapped = False
+                request.num_computed = grant.num_computed
             self.worker_knows.add(request.request_id)
             plan.new.append(
                 NewRequest(
                     request_id=request.request_id,
                     token_ids=list(request.token_ids),
                     num_prompt_tokens=request.num_prompt_tokens,
-                    block_ids=grant.new_block_ids,
-                    num_new_tokens=count,
+                    block_ids=grant.block_ids,
+                    num_new_tokens=grant.num_new_tokens,
                     params=request.params,
+                    num_computed_tokens=grant.num_computed,
                 )
             )
         if not in_flight:  # everything was preempted or denied: the pool changed, try again
-            if plan.removed:
+            if plan.removed or plan.swap_out:
+                plan.swap_in = []
                 self.send("worker", plan)
-            if message.preempted:
+            if message.preempted or message.swapped:
                 self.schedule()
             return
         self.in_flight = in_flight
@@ -241,23 +326,17 @@ class Scheduler(Actor):
         self.num_steps += 1
         if message.error is not None:
             self.report_error(f"step {message.step_id} failed in the worker: {message.error}")
-            outputs = [
-                RequestOutput(r.request_id, [], FinishReason.ERROR)
-                for r, _ in in_flight
-                if r.request_id in self.requests
-            ]
-            for request, _ in in_flight:
-                if request.request_id in self.requests:
-                    self._finish(request)
+            failed = [r for r, _ in in_flight if r.request_id in self.requests]
+            outputs = [RequestOutput(r.request_id, [], FinishReason.ERROR) for r in failed]
+            for request in failed:
+                self._finish(request)
         else:
             outputs = self._apply(in_flight, message)
         if outputs:
             self.send("engine", TokensOut(outputs))
         self.schedule()
 
-    def _apply(
-        self, in_flight: list[tuple[Request, int]], result: StepResult
-    ) -> list[RequestOutput]:
+    def _apply(self, in_flight: list[tuple[Request, int]], result: StepResult):
         for request, count in in_flight:
             request.num_computed += count
             if request.num_computed < len(request.token_ids):
@@ -270,7 +349,8 @@ class Scheduler(Actor):
             request.token_ids.append(token)
             self.generation_tokens += 1
             reason = request.finish_reason(self.max_model_len)
-            outputs.append(RequestOutput(rid, [token], reason))
+            cached = (request.cached_tokens or 0) if reason is not None else 0
+            outputs.append(RequestOutput(rid, [token], reason, cached))
             if reason is not None:
                 self._finish(request)
         return outputs

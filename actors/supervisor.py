@@ -121,7 +121,9 @@ class Supervisor:
                 self._spawn(name)
                 ready = await self._wait_ready(name)
                 if name == "worker":
-                    self.config = self.config.resolve_kv_blocks(ready.num_kv_blocks)
+                    self.config = self.config.resolve_kv_blocks(
+                        ready.num_kv_blocks, ready.num_cpu_blocks
+                    )
         except BaseException:
             await self.stop()
             raise

@@ -172,8 +172,10 @@ class AsyncClient:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[Delta]:
         """Stream the completion's deltas; the last one has `finish_reason` set.
+        `priority`: lower runs first (FCFS within a level).
 
         Leaving the loop early (break, cancel, error) aborts the request in the engine.
         """
@@ -181,7 +183,7 @@ class AsyncClient:
         if rid in self._streams:
             raise EngineError(f"request_id {rid!r} is already streaming", "invalid_request", rid)
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-        message = GenerateRequest(rid, text, ids, params or SamplingParams())
+        message = GenerateRequest(rid, text, ids, params or SamplingParams(), priority)
         stream = self._streams[rid] = _Stream()
         self._ensure_receiver()
         finished = False
@@ -266,8 +268,9 @@ class Client:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> Iterator[Delta]:
-        stream = self._async.generate(prompt, params, request_id)
+        stream = self._async.generate(prompt, params, request_id, priority)
         try:
             while True:
                 try:

@@ -6,18 +6,26 @@ import msgspec
 
 
 class BlockNeed(msgspec.Struct, array_like=True, gc=False):
-    """Room for `num_tokens` tokens in total (computed + this step's) for one request."""
+    """Room for `num_computed + num_new_tokens` tokens for one request.
+
+    `token_ids`: the request's tokens the BlockManager has not been told yet (all of them for a
+    new request; the newly sampled ones for a running one), for prefix-cache hashing.
+    A new request's `num_computed` is 0 unless it is coming back from swap; the BlockManager may
+    raise it (prefix cache hit) and shrink `num_new_tokens` to what is left of the prompt.
+    """
 
     request_id: str
-    num_tokens: int
+    num_computed: int
+    num_new_tokens: int
     is_new: bool  # waiting -> running: may be denied, never preempts others
+    token_ids: list[int]
 
 
 class AllocateStep(msgspec.Struct, tag=True, array_like=True, gc=False):
     """`needs` in priority order. When blocks run out for a running request, the BlockManager
-    preempts from the tail of this list (frees the last running request's blocks) until it fits,
-    the request itself being the last resort. A new request that does not fit is denied, and so
-    are all new requests after it (FCFS: nobody jumps the queue).
+    preempts from the tail of this list (frees, or swaps out, the last running request's blocks)
+    until it fits, the request itself being the last resort. A new request that does not fit is
+    denied, and so are all new requests after it (nobody jumps the queue).
     """
 
     epoch: int
@@ -26,16 +34,23 @@ class AllocateStep(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 class Grant(msgspec.Struct, array_like=True, gc=False):
+    """For a running request `block_ids` are its new blocks; for a new one its whole table."""
+
     request_id: str
-    new_block_ids: list[int]
+    block_ids: list[int]
+    num_computed: int
+    num_new_tokens: int
 
 
-class Allocation(msgspec.Struct, tag=True, array_like=True, gc=False):
+class Allocation(msgspec.Struct, tag=True, array_like=True, gc=False, omit_defaults=True):
     epoch: int
     step_id: int
     granted: list[Grant]
-    preempted: list[str]
+    preempted: list[str]  # lost their blocks: recompute when re-admitted
     denied: list[str]
+    swapped: list[str] = []  # KV moved to CPU: resume where they were when re-admitted
+    swap_out: list[tuple[int, int]] = []  # (gpu block, cpu block) to copy before the step
+    swap_in: list[tuple[int, int]] = []  # (cpu block, gpu block) to copy after swap_out
 
 
 class FreeBlocks(msgspec.Struct, tag=True, array_like=True):

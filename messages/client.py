@@ -18,6 +18,7 @@ class GenerateRequest(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    priority: int = 0  # lower runs first; FCFS within a level
 
 
 class AbortRequest(msgspec.Struct, tag=True, forbid_unknown_fields=True):
@@ -54,6 +55,7 @@ class Delta(msgspec.Struct, tag=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, found in the prefix cache (set on the last delta)
 
     @property
     def finished(self) -> bool:
@@ -74,6 +76,9 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     num_preemptions: int = 0
     num_steps: int = 0
     num_partial_prefills: int = 0  # steps that computed part of a prompt, not all of it
+    num_swaps: int = 0  # preemptions that moved KV to CPU instead of dropping it
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     blocks_total: int = 0

@@ -14,6 +14,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     pid: int
     protocol_version: int = PROTOCOL_VERSION
     num_kv_blocks: int = 0
+    num_cpu_blocks: int = 0
 
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True):

@@ -21,6 +21,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     output_token_ids: list[int] = []
+    priority: int = 0
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -31,6 +32,7 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tru
     request_id: str
     token_ids: list[int]
     finish_reason: FinishReason | None = None
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (on the last output)
 
 
 class TokensOut(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -59,7 +61,7 @@ class RunningUpdate(msgspec.Struct, array_like=True, gc=False):
     num_new_tokens: int
 
 
-class StepPlan(msgspec.Struct, tag=True, array_like=True, gc=False):
+class StepPlan(msgspec.Struct, tag=True, array_like=True, gc=False, omit_defaults=True):
     """Scheduler -> Worker. `removed` (finished, aborted, preempted) is applied before the rest."""
 
     epoch: int
@@ -67,6 +69,8 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True, gc=False):
     removed: list[str]
     running: list[RunningUpdate]
     new: list[NewRequest]
+    swap_out: list[tuple[int, int]] = []  # (gpu block, cpu block), copied before swap_in
+    swap_in: list[tuple[int, int]] = []  # (cpu block, gpu block), copied before the forward
 
 
 class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False, omit_defaults=True):

@@ -121,6 +121,8 @@ class EngineServer:
             self.address,
             "--torch-threads",
             "2",
+            "--port",
+            "0",
             *flags,
         ]
         self.log_path = Path(self.run_dir) / "serve.log"

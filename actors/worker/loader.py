@@ -62,7 +62,7 @@ def load_model(
     _check_shapes(model, state)
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary.rebuild(device)
-    return model.eval(), config
+    return model.requires_grad_(False).eval(), config
 
 
 def _read_tensors(files: list[Path], needed: set[str], config: ModelConfig) -> dict:

@@ -9,6 +9,8 @@ here, so a decode needs no token ids from the Scheduler.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import time
 from dataclasses import dataclass
 
@@ -17,6 +19,7 @@ import torch
 
 from ...messages.step import NewRequest, StepPlan, StepResult
 from ..config import EngineConfig
+from .kv_cache import KVCache
 from .models.llama import AttentionMetadata
 from .sampler import Sampler, SampleRow
 
@@ -44,10 +47,11 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model, kv_caches, device: torch.device):
+    def __init__(self, config: EngineConfig, model, kv: KVCache, device: torch.device):
         self.config = config
         self.model = model
-        self.kv_caches = kv_caches
+        self.kv = kv
+        self.kv_caches = kv.layers
         self.device = device
         self.block_size = config.block_size
         self.eos_token_ids = config.facts.eos_token_ids
@@ -56,6 +60,11 @@ class ModelRunner:
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None  # step inputs, KV swaps
         self.compute_stream = torch.cuda.Stream(device) if cuda else None
+        # ACTORSERVE_STEP_TRACE=PATH: one JSON line per step with its phases' clock times
+        # (time.perf_counter, which is CLOCK_MONOTONIC and so comparable across processes on
+        # Linux); scripts/bench_overhead.py reads it. Off by default: no cost.
+        trace = os.environ.get("ACTORSERVE_STEP_TRACE")
+        self.trace = open(trace, "a", buffering=1) if trace else None
 
     def apply(self, plan: StepPlan) -> list[tuple[str, int]]:
         """Update the persistent batch; return the step's (request id, tokens to compute)."""
@@ -146,24 +155,51 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
+        self.kv.swap(plan.swap_out, plan.swap_in, self.copy_stream)
         scheduled = self.apply(plan)
         if not scheduled:
             return StepResult(plan.epoch, plan.step_id, [], [])
         with self._on_compute_stream():
             inputs = self.prepare(scheduled)
+            prepared = self._clock()
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            forwarded = self._clock()
             tokens: list[int] = []
             if inputs.sample_ids:
                 logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_index))
+                logits_done = self._clock()
                 tokens = self.sampler(logits, inputs.sample_rows)
+            else:
+                logits_done = forwarded
         for rid, count in scheduled:
             self.requests[rid].num_computed += count
         for rid, token in zip(inputs.sample_ids, tokens):
             self.requests[rid].token_ids.append(token)
+        finished = time.perf_counter()
+        if self.trace is not None:
+            self._write_trace(plan, scheduled, inputs, started, prepared, forwarded, logits_done)
         return StepResult(
-            plan.epoch,
-            plan.step_id,
-            inputs.sample_ids,
-            tokens,
-            forward_s=time.perf_counter() - started,
+            plan.epoch, plan.step_id, inputs.sample_ids, tokens, forward_s=finished - started
         )
+
+    def _clock(self) -> float | None:
+        """perf_counter when tracing (after the device caught up), else None."""
+        if self.trace is None:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _write_trace(self, plan, scheduled, inputs, started, prepared, forwarded, logits_done):
+        record = {
+            "step": plan.step_id,
+            "seqs": len(scheduled),
+            "tokens": int(inputs.input_ids.shape[0]),
+            "samples": len(inputs.sample_ids),
+            "start": started,
+            "prepared": prepared,
+            "forwarded": forwarded,
+            "logits": logits_done,
+            "end": time.perf_counter(),
+        }
+        self.trace.write(json.dumps(record) + "\n")

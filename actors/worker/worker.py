@@ -44,6 +44,7 @@ class Worker(Actor):
     async def setup(self) -> None:
         import torch
 
+        from .kv_cache import KVCache
         from .loader import load_model
         from .runner import ModelRunner
 
@@ -61,26 +62,30 @@ class Worker(Actor):
         }[cfg.dtype]
         ops = attention_ops(device, cfg.attention_backend)
         model, model_config = load_model(cfg.model, device, dtype, ops)
-        block_bytes = (
-            2
-            * model_config.num_layers
-            * cfg.block_size
-            * model_config.num_kv_heads
-            * model_config.head_dim
-            * dtype.itemsize
+        layout = (
+            model_config.num_layers,
+            cfg.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
         )
+        block_bytes = KVCache.block_bytes(*layout, dtype)
         num_blocks = cfg.num_kv_blocks or max(1, self._kv_budget(device) // block_bytes)
-        shape = (num_blocks, cfg.block_size, model_config.num_kv_heads, model_config.head_dim)
-        kv_caches = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in range(model_config.num_layers)
-        ]
-        self.num_kv_blocks = num_blocks
+        num_cpu_blocks = cfg.num_cpu_blocks
+        if num_cpu_blocks is None:
+            num_cpu_blocks = num_blocks if cfg.preemption_mode == "swap" else 0
+        kv = KVCache(
+            model_config.num_layers,
+            num_blocks,
+            num_cpu_blocks,
+            cfg.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            dtype,
+            device,
+        )
+        self.num_kv_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
         self.epoch = cfg.epoch
-        self.runner = ModelRunner(cfg, model, kv_caches, device)
+        self.runner = ModelRunner(cfg, model, kv, device)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self.log.info(
             "model %s on %s (%s, %d threads, attention %s): %d KV blocks of %d tokens",
@@ -104,7 +109,12 @@ class Worker(Actor):
         return min(GIB, available_memory_bytes() // 4)
 
     def ready(self) -> Ready:
-        return Ready(actor=self.name, pid=os.getpid(), num_kv_blocks=self.num_kv_blocks)
+        return Ready(
+            actor=self.name,
+            pid=os.getpid(),
+            num_kv_blocks=self.num_kv_blocks,
+            num_cpu_blocks=self.num_cpu_blocks,
+        )
 
     def on_reset(self, message: Reset) -> None:
         self.epoch = message.epoch

@@ -23,7 +23,7 @@ _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_pos
 
 
 class RopeScaling(msgspec.Struct, frozen=True, kw_only=True):
-    """`linear` divides every frequency by `factor`; `llama3` is Llama 3.1's smoothed band scaling."""
+    """`linear` divides every frequency by `factor`; `llama3` is Llama 3.1's band-wise scaling."""
 
     rope_type: str
     factor: float
@@ -60,7 +60,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence served exactly: full attention equals a sliding window up to its size."""
+        """Longest sequence served exactly (full attention equals a window up to its size)."""
         if self.sliding_window is None:
             return self.max_position_embeddings
         return min(self.max_position_embeddings, self.sliding_window)
@@ -97,7 +97,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         arch = archs[0]
         for field, want in (("hidden_act", "silu"), ("mlp_bias", False)):
             if field in hf and hf[field] != want:
-                raise ValueError(f"config.json field {field!r} is {hf[field]!r}; only {want!r} is supported")
+                raise ValueError(
+                    f"config.json field {field!r} is {hf[field]!r}; only {want!r} is supported"
+                )
         hidden = _int(hf, "hidden_size")
         num_heads = _int(hf, "num_attention_heads")
         num_kv_heads = hf.get("num_key_value_heads") or num_heads

@@ -27,7 +27,7 @@ class AttentionMetadata(NamedTuple):
     slot_mapping    [T] int64: cache slot (block * block_size + offset) of each token, -1 = skip
     block_tables    [B, max_blocks] int32
     seq_lens        [B] int32: context length of each sequence including this step's tokens
-    query_start_loc [B+1] int32: sequence b's tokens are rows query_start_loc[b]:[b+1]
+    query_start_loc [B+1] int32: cumulative token counts; sequence b owns rows [qsl[b], qsl[b+1])
     """
 
     slot_mapping: torch.Tensor
@@ -130,7 +130,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim).contiguous()
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)

@@ -1,0 +1,92 @@
+"""The paged KV cache the Worker owns: per layer K and V [num_blocks, block_size, Hkv, D] on the
+device, plus an optional swap space of the same shape in (pinned, on CUDA) host memory.
+
+Swaps run on the Worker's copy stream: swap-outs (device -> host) first, then swap-ins (host ->
+device), all before the step's forward, which waits on an event.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.layers = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(num_layers)
+        ]
+        cpu_shape = (num_cpu_blocks, *shape[1:])
+        pin = device.type == "cuda"
+        self.cpu_layers = (
+            [
+                (
+                    torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+                    torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+                )
+                for _ in range(num_layers)
+            ]
+            if num_cpu_blocks
+            else []
+        )
+        self.device = device
+
+    @staticmethod
+    def block_bytes(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    def swap(
+        self,
+        swap_out: list[tuple[int, int]],
+        swap_in: list[tuple[int, int]],
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """Copy (device block, host block) pairs out, then (host block, device block) pairs in."""
+        if not swap_out and not swap_in:
+            return
+        if swap_out and not self.cpu_layers:
+            raise RuntimeError("swap_out without swap space (num_cpu_blocks is 0)")
+        context = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+        with context:
+            for (k, v), (k_cpu, v_cpu) in zip(self.layers, self.cpu_layers):
+                for src, dst in ((k, k_cpu), (v, v_cpu)):
+                    if swap_out:
+                        gpu, cpu = _index(swap_out)
+                        dst.index_copy_(0, cpu, src.index_select(0, gpu.to(src.device)).cpu())
+                    if swap_in:
+                        cpu, gpu = _index(swap_in)
+                        rows = dst.index_select(0, cpu).to(src.device, non_blocking=True)
+                        src.index_copy_(0, gpu.to(src.device), rows)
+        if stream is not None:
+            done = torch.cuda.Event()
+            done.record(stream)
+            torch.cuda.current_stream(self.device).wait_event(done)
+
+
+def _index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    first, second = zip(*pairs)
+    return torch.tensor(first, dtype=torch.long), torch.tensor(second, dtype=torch.long)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,57 @@
+"""Chat messages -> prompt token ids, with the checkpoint's own chat template.
+
+A tokenizer without a chat template gets a simple built-in one (logged once at start-up):
+
+    <|role|>\\ncontent\\n ... <|assistant|>\\n
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("gateway")
+
+FALLBACK_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+class ChatTemplate:
+    """Loads only the tokenizer (no weights) of the checkpoint in `model_dir`."""
+
+    def __init__(self, model_dir: str | Path):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        if "torch" in sys.modules:  # transformers pulls it in: keep it off the Worker's cores
+            sys.modules["torch"].set_num_threads(1)
+        self.builtin = not getattr(self.tokenizer, "chat_template", None)
+        if self.builtin:
+            log.warning(
+                "the tokenizer in %s has no chat template: /v1/chat/completions uses a "
+                "simple built-in one (<|role|> lines)",
+                model_dir,
+            )
+
+    def prompt_ids(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Render the conversation and tokenize it; the template itself places BOS if any.
+
+        Raises ValueError when the template refuses the conversation (e.g. roles out of order).
+        """
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=FALLBACK_TEMPLATE if self.builtin else None,
+            )
+        except Exception as exc:  # jinja2's TemplateError, or the template's raise_exception()
+            raise ValueError(f"the chat template refused these messages: {exc}") from exc
+        return self.tokenizer.encode(text, add_special_tokens=self.builtin)

@@ -1,0 +1,180 @@
+"""Prometheus metrics: the Engine's counters (refreshed on each scrape), the gateway's latencies.
+
+Engine side, from `AsyncClient.health()`: requests running and waiting, KV blocks, preemptions,
+prompt and generation tokens. Gateway side, observed per request: time to first token, time per
+output token, end-to-end latency, finished requests by reason. Each app has its own registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.registry import Collector
+
+from ..messages.client import EngineStats
+
+PREFIX = "actorserve_"
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+TPOT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
+
+
+class _EngineCollector(Collector):
+    """Yields the last engine stats snapshot; `Metrics.refresh` replaces it before each scrape."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.stats: EngineStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if s is None:
+            return
+        label = ["model_name"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=label)
+            family.add_metric([self.model], value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=label)
+            family.add_metric([self.model], value)
+            return family
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("kv_cache_blocks_total", "KV cache blocks in the pool.", s.blocks_total)
+        yield gauge("kv_cache_blocks_free", "KV cache blocks free.", s.blocks_free)
+        usage = s.blocks_used / s.blocks_total if s.blocks_total else 0.0
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", usage)
+        yield counter(
+            "num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions
+        )
+        yield counter("prompt_tokens", "Prompt tokens computed (prefill).", s.prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
+
+
+class Metrics:
+    def __init__(self, model: str):
+        self.model = model
+        self.registry = CollectorRegistry()
+        self.engine = _EngineCollector(model)
+        self.registry.register(self.engine)
+        label = ["model_name"]
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from request arrival to its first token.",
+            label,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model)
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request.",
+            label,
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        ).labels(model)
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from request arrival to its last token.",
+            label,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model)
+        self._success = Counter(
+            PREFIX + "request_success",
+            "Requests finished, by reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self._http_errors = Counter(
+            PREFIX + "request_errors",
+            "Requests refused or failed, by HTTP status.",
+            ["model_name", "status"],
+            registry=self.registry,
+        )
+
+    def observe(
+        self, arrival: float, first: float | None, end: float, num_tokens: int, reason: str
+    ) -> None:
+        """Record one finished request (perf_counter times)."""
+        if first is not None:
+            self.ttft.observe(first - arrival)
+            if num_tokens > 1:
+                self.tpot.observe((end - first) / (num_tokens - 1))
+        self.e2e.observe(end - arrival)
+        self._success.labels(self.model, reason).inc()
+
+    def error(self, status: int) -> None:
+        self._http_errors.labels(self.model, str(status)).inc()
+
+    def refresh(self, stats: EngineStats | None) -> None:
+        self.engine.stats = stats
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,378 @@
+"""OpenAI's request and response shapes as msgspec Structs, and their mapping to SamplingParams.
+
+Requests decode strictly (a wrong type or an unknown field is a 400 naming the field, as OpenAI's
+own API does). Fields we accept but cannot honour yet are refused with a 400 that says so, never
+silently ignored. Responses encode to exactly OpenAI's JSON (None -> null, no field left out).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import msgspec
+
+from ..messages.common import FinishReason, SamplingParams
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {
+        400: "invalid_request_error",
+        401: "invalid_request_error",
+        404: "invalid_request_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+        503: "server_error",
+    }
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        return self.TYPES.get(self.status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def invalid(message: str, param: str | None) -> APIError:
+    return APIError(400, message, param, "invalid_request")
+
+
+_AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_FIELD = re.compile(r"field `(?P<name>[^`]+)`")
+
+
+def decode_error(exc: msgspec.DecodeError) -> APIError:
+    """A 400 for a body msgspec refused, naming the field (`$.messages[0].role` -> that path)."""
+    text = str(exc)
+    if not isinstance(exc, msgspec.ValidationError):
+        return invalid(f"request body is not valid JSON: {text}", None)
+    match = _AT.search(text)
+    path = match.group("path") if match else ""
+    reason = text[: match.start()] if match else text
+    named = _FIELD.search(reason)
+    if named and ("unknown field" in reason or "missing required field" in reason):
+        path = f"{path}.{named.group('name')}" if path else named.group("name")
+        if "unknown field" in reason:
+            return invalid(f"Unrecognized request argument supplied: {path}", path)
+    return invalid(f"{path or 'body'}: {reason}", path or None)
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
+
+
+class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields both routes share: OpenAI's, then the sampling extras vLLM accepts."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def check_common(self) -> None:
+        """Refuse what we cannot honour yet, with a 400 naming the field."""
+        if self.n < 1:
+            raise invalid(f"n must be >= 1, got {self.n}", "n")
+        if self.n > 1:
+            raise invalid(f"n must be 1: parallel sampling (n={self.n}) is not supported yet", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not -2.0 <= value <= 2.0:
+                raise invalid(f"{name} must be in [-2, 2], got {value}", name)
+            if value != 0.0:
+                raise invalid(f"{name} is not supported yet: it must be 0, got {value}", name)
+        if self.repetition_penalty is not None:
+            if not self.repetition_penalty > 0.0:
+                raise invalid(
+                    f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                    "repetition_penalty",
+                )
+            if self.repetition_penalty != 1.0:
+                raise invalid(
+                    "repetition_penalty is not supported yet: it must be 1.0, got "
+                    f"{self.repetition_penalty}",
+                    "repetition_penalty",
+                )
+        if self.stop:
+            raise invalid("stop strings are not supported yet; use stop_token_ids", "stop")
+        if self.logit_bias:
+            raise invalid("logit_bias is not supported yet", "logit_bias")
+        if not self.skip_special_tokens:
+            raise invalid("skip_special_tokens=false is not supported yet", "skip_special_tokens")
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.echo:
+            raise invalid("echo is not supported yet", "echo")
+        if self.logprobs is not None:
+            raise invalid("logprobs are not supported yet", "logprobs")
+        if self.best_of is not None and self.best_of != 1:
+            raise invalid(f"best_of must be 1 (not supported yet), got {self.best_of}", "best_of")
+        if self.suffix:
+            raise invalid("suffix is not supported", "suffix")
+
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt: text, or token ids. A batch of several prompts is refused."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+            if isinstance(prompt, str):
+                return prompt
+        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if not prompt:
+            raise invalid("prompt must not be empty", "prompt")
+        if all(isinstance(p, (str, list)) for p in prompt):
+            raise invalid(
+                f"prompt: a batch of {len(prompt)} prompts is not supported yet; send "
+                "one prompt per request",
+                "prompt",
+            )
+        raise invalid(
+            "prompt must be a string, a list of token ids, or a list holding one of those", "prompt"
+        )
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(
+                    f"messages[{index}].content[{j}]: only parts of type 'text' are supported",
+                    f"messages[{index}].content[{j}]",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        self.check_common()
+        if not self.messages:
+            raise invalid("messages must hold at least one message", "messages")
+        if self.logprobs or self.top_logprobs:
+            raise invalid("logprobs are not supported yet", "logprobs")
+        if self.tools:
+            raise invalid("tools are not supported yet", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise invalid("response_format other than text is not supported yet", "response_format")
+
+    def chat(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Completion(msgspec.Struct):
+    id: str
+    choices: list[CompletionChoice]
+    created: int
+    model: str
+    object: str = "text_completion"
+    system_fingerprint: None = None
+    usage: Usage | None = None
+
+
+class AssistantMessage(msgspec.Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    choices: list[ChatChoice]
+    created: int
+    model: str
+    object: str = "chat.completion"
+    system_fingerprint: None = None
+    usage: Usage | None = None
+
+
+class ChunkDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChunkDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    choices: list[ChatChunkChoice]
+    created: int
+    model: str
+    object: str = "chat.completion.chunk"
+    system_fingerprint: None = None
+    usage: Usage | None = None
+
+
+class CompletionChunk(msgspec.Struct):
+    """OpenAI streams completions with the same object name as the whole response."""
+
+    id: str
+    choices: list[CompletionChoice]
+    created: int
+    model: str
+    object: str = "text_completion"
+    system_fingerprint: None = None
+    usage: Usage | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    object: str = "model"
+    owned_by: str = "actorserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    return None if reason is None else reason.value
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,246 @@
+"""POST /v1/completions and /v1/chat/completions: one request through `Gateway.generate`.
+
+Streaming answers are Server-Sent Events framed as OpenAI frames them: `data: {json}\\n\\n` per
+chunk, then `data: [DONE]\\n\\n`. The first delta (or the Engine's refusal) is awaited before the
+status line goes out, so a refused request still gets its 4xx with OpenAI's error body. A client
+that disconnects (streaming or not) aborts its request in the Engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from ..messages.client import Delta
+from ..messages.common import FinishReason
+from .openai_protocol import (
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChunkDelta,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    Usage,
+    decode_error,
+    finish_reason,
+    invalid,
+    now,
+)
+from .service import Gateway
+
+T = TypeVar("T")
+_encoder = msgspec.json.Encoder()
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def json_response(body, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_encoder.encode(body), status, headers, media_type="application/json")
+
+
+def error_response(error: APIError) -> Response:
+    return json_response(error.body(), error.status, error.headers)
+
+
+def sse(chunk) -> bytes:
+    return b"data: " + _encoder.encode(chunk) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def read_body(request: Request, kind: type[T], max_bytes: int) -> T:
+    """The JSON body decoded as `kind`: 413 over max_bytes, 400 naming the field otherwise."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(
+            413,
+            f"request body is {declared} bytes, over the limit of {max_bytes}",
+            None,
+            "request_too_large",
+        )
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise APIError(
+                413,
+                f"request body is over the limit of {max_bytes} bytes",
+                None,
+                "request_too_large",
+            )
+    try:
+        return msgspec.json.decode(bytes(body), type=kind)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise decode_error(exc) from None
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready; its request was aborted."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client goes away first, cancel it (which aborts the request in the
+    Engine) and raise ClientGone."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+def check_model(gateway: Gateway, name: str | None) -> None:
+    if not gateway.settings.accepts_model(name):
+        raise APIError(
+            404,
+            f"The model `{name}` does not exist; this server serves `{gateway.settings.model_id}`",
+            "model",
+            "model_not_found",
+        )
+
+
+def check_max_tokens(value: int | None, field: str) -> None:
+    if value is not None and value < 1:
+        raise invalid(f"{field} must be >= 1, got {value}", field)
+
+
+async def primed(deltas: AsyncIterator[Delta]) -> tuple[Delta, AsyncIterator[Delta]]:
+    """The first delta now (so errors surface before any byte is sent), and the rest."""
+    try:
+        first = await deltas.__anext__()
+    except BaseException:
+        await deltas.aclose()
+        raise
+    return first, deltas
+
+
+async def collect(deltas: AsyncIterator[Delta]) -> tuple[str, Delta]:
+    """The whole completion; a request the Engine failed (finish reason `error`) is a 500."""
+    text: list[str] = []
+    last = None
+    async for last in deltas:
+        text.append(last.text)
+    if last.finish_reason is FinishReason.ERROR:
+        raise APIError(500, "the engine failed while generating this completion", None, "internal")
+    return "".join(text), last
+
+
+async def completions(request: Request, gateway: Gateway) -> Response:
+    body = await read_body(request, CompletionRequest, gateway.settings.max_body_bytes)
+    body.check()
+    check_model(gateway, body.model)
+    check_max_tokens(body.max_tokens, "max_tokens")
+    params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    model, created = gateway.settings.model_id, now()
+    deltas = gateway.generate(body.prompt_input(), params, rid)
+    if not body.stream:
+        text, last = await until_disconnect(request, collect(deltas))
+        choice = CompletionChoice(0, text, None, finish_reason(last.finish_reason))
+        usage = Usage.of(last.prompt_tokens, last.completion_tokens)
+        return json_response(Completion(rid, [choice], created, model, usage=usage))
+    first, rest = await until_disconnect(request, primed(deltas))
+    usage_each = body.stream_options is not None and body.stream_options.continuous_usage_stats
+
+    async def events() -> AsyncIterator[bytes]:
+        last = first
+        try:
+            async for delta in chained(first, rest):
+                last = delta
+                if not delta.text and not delta.finished:
+                    continue
+                usage = (
+                    Usage.of(delta.prompt_tokens, delta.completion_tokens) if usage_each else None
+                )
+                choice = CompletionChoice(0, delta.text, None, finish_reason(delta.finish_reason))
+                yield sse(CompletionChunk(rid, [choice], created, model, usage=usage))
+        except APIError as exc:
+            yield sse(exc.body())
+        finally:
+            await rest.aclose()
+        if body.include_usage and last.finished:
+            usage = Usage.of(last.prompt_tokens, last.completion_tokens)
+            yield sse(CompletionChunk(rid, [], created, model, usage=usage))
+        yield SSE_DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def chat_completions(request: Request, gateway: Gateway) -> Response:
+    body = await read_body(request, ChatCompletionRequest, gateway.settings.max_body_bytes)
+    body.check()
+    check_model(gateway, body.model)
+    field = body.max_tokens_field
+    check_max_tokens(body.requested_max_tokens, field)
+    if gateway.chat is None:
+        raise APIError(404, "this server offers no chat template", None, "not_found")
+    try:
+        prompt = gateway.chat.prompt_ids(body.chat(), body.add_generation_prompt)
+    except ValueError as exc:
+        raise invalid(str(exc), "messages") from None
+    room = gateway.settings.max_model_len - len(prompt)
+    requested = body.requested_max_tokens
+    params = body.sampling_params(requested if requested is not None else max(room, 1))
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    model, created = gateway.settings.model_id, now()
+    deltas = gateway.generate(prompt, params, rid, "messages")
+    if not body.stream:
+        text, last = await until_disconnect(request, collect(deltas))
+        choice = ChatChoice(0, AssistantMessage(text), None, finish_reason(last.finish_reason))
+        usage = Usage.of(last.prompt_tokens, last.completion_tokens)
+        return json_response(ChatCompletion(rid, [choice], created, model, usage=usage))
+    first, rest = await until_disconnect(request, primed(deltas))
+
+    def chunk(delta: ChunkDelta, reason: str | None = None) -> bytes:
+        choice = ChatChunkChoice(0, delta, None, reason)
+        return sse(ChatCompletionChunk(rid, [choice], created, model))
+
+    async def events() -> AsyncIterator[bytes]:
+        last = first
+        yield chunk(ChunkDelta(role="assistant", content=""))
+        try:
+            async for delta in chained(first, rest):
+                last = delta
+                if delta.text:
+                    yield chunk(ChunkDelta(content=delta.text))
+                if delta.finished:
+                    yield chunk(ChunkDelta(), finish_reason(delta.finish_reason))
+        except APIError as exc:
+            yield sse(exc.body())
+        finally:
+            await rest.aclose()
+        if body.include_usage and last.finished:
+            usage = Usage.of(last.prompt_tokens, last.completion_tokens)
+            yield sse(ChatCompletionChunk(rid, [], created, model, usage=usage))
+        yield SSE_DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def chained(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """`first`, then the rest (iterated to its end, so the request's metrics get recorded)."""
+    yield first
+    async for delta in rest:
+        yield delta

@@ -1,0 +1,179 @@
+"""What every route shares: the SDK client, admission (limit, drain), metrics, and one generate.
+
+`Gateway.generate` is the only way a route reaches the Engine. It admits the request (503 while
+draining, 429 over the concurrency limit), streams the SDK's deltas, records the request's
+latencies, maps the Engine's refusals to API errors, and aborts the request in the Engine
+whenever its consumer goes away before the end (client disconnect, cancel, error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from ..messages.client import Delta, HealthReply
+from ..messages.common import SamplingParams
+from .client import AsyncClient, EngineError
+from .metrics import Metrics
+from .openai_protocol import APIError
+
+SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
+ENGINE_STATUS = {"invalid_request": 400, "overloaded": 429, "unavailable": 503}
+RETRY_AFTER = {"Retry-After": "1"}
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+class GatewaySettings(msgspec.Struct, kw_only=True):
+    model_id: str  # the name clients pass as `model`
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    api_key: str | None = None
+    max_concurrent_requests: int = 1024
+    max_body_bytes: int = 8 * 1024 * 1024
+    health_timeout_s: float = msgspec.field(
+        default_factory=lambda: _env_float("ACTORSERVE_HEALTH_TIMEOUT_S", 10.0)
+    )
+
+    def accepts_model(self, name: str | None) -> bool:
+        return name is None or name in (self.model_id, os.path.basename(self.model_id.rstrip("/")))
+
+
+def engine_error(exc: EngineError, prompt_param: str = "prompt") -> APIError:
+    """The Engine's ErrorReply as an API error; its message starts with the field it names."""
+    status = ENGINE_STATUS.get(exc.code, 500)
+    first = str(exc).split(" ", 1)[0].rstrip(":")
+    param = (
+        prompt_param
+        if first in ("prompt", "prompt_token_ids")
+        else (first if first in SAMPLING_FIELDS else None)
+    )
+    return APIError(status, str(exc), param, exc.code, RETRY_AFTER if status == 429 else None)
+
+
+class Gateway:
+    def __init__(self, client: AsyncClient, settings: GatewaySettings, chat=None):
+        self.client = client
+        self.settings = settings
+        self.chat = chat  # ChatTemplate, or None when chat is not offered
+        self.metrics = Metrics(settings.model_id)
+        self.active = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._aborts: set[asyncio.Task] = set()
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        if self.draining:
+            raise APIError(
+                503,
+                "the server is shutting down and takes no new requests",
+                None,
+                "unavailable",
+                RETRY_AFTER,
+            )
+        limit = self.settings.max_concurrent_requests
+        if self.active >= limit:
+            raise APIError(
+                429,
+                f"too many concurrent requests (max_concurrent_requests={limit}); retry shortly",
+                None,
+                "rate_limit_exceeded",
+                RETRY_AFTER,
+            )
+        self.active += 1
+        self._idle.clear()
+
+    def _release(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight here; False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        prompt_param: str = "prompt",
+    ) -> AsyncIterator[Delta]:
+        """Deltas of one request; raises APIError. Leaving early aborts it in the Engine."""
+        error = params.validate(self.settings.vocab_size)
+        if error:
+            raise engine_error(EngineError(error, "invalid_request"), prompt_param)
+        self._admit()
+        arrival = time.perf_counter()
+        first: float | None = None
+        last: Delta | None = None
+        stream = self.client.generate(prompt, params, request_id)
+        try:
+            async for delta in stream:
+                if first is None and delta.token_ids:
+                    first = time.perf_counter()
+                last = delta
+                yield delta
+            reason = last.finish_reason.value if last and last.finish_reason else "abort"
+            self.metrics.observe(
+                arrival, first, time.perf_counter(), last.completion_tokens if last else 0, reason
+            )
+        except EngineError as exc:
+            raise engine_error(exc, prompt_param) from None
+        finally:
+            self._release()
+            if last is None or not last.finished:
+                self._abort_soon(request_id)
+            await stream.aclose()
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Abort in a task of its own, so a cancelled caller (a disconnect) cannot stop it."""
+        task = asyncio.get_running_loop().create_task(self.client.abort(request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def probe(self) -> tuple[float, HealthReply]:
+        """Push one greedy token through every actor; (seconds it took, health reply)."""
+        started = time.perf_counter()
+        timeout = self.settings.health_timeout_s
+        rid = f"health-{os.urandom(6).hex()}"
+        stream = self.client.generate(
+            "health", SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), rid
+        )
+        finished = False
+
+        async def one_token() -> None:
+            nonlocal finished
+            async for delta in stream:
+                finished = delta.finished
+            if not finished:
+                raise EngineError("the probe request ended without finishing", "unavailable")
+
+        try:
+            await asyncio.wait_for(one_token(), timeout)
+        except asyncio.TimeoutError:
+            raise EngineError(
+                f"no token from the engine within {timeout:g} s", "unavailable"
+            ) from None
+        finally:
+            if not finished:
+                self._abort_soon(rid)
+        elapsed = time.perf_counter() - started
+        return elapsed, await self.client.health(timeout)

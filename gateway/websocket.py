@@ -1,0 +1,206 @@
+"""WebSocket /v1/stream: many requests at once on one socket, each with the client's own id.
+
+Client -> server (JSON text frames):
+    {"type": "generate", "id": "a", "prompt": "..." | "prompt_token_ids": [..] | "messages": [..],
+     "params": {"max_tokens": 64, "temperature": 0, ...}}       (params: SamplingParams fields)
+    {"type": "abort", "id": "a"}
+Server -> client:
+    {"type": "delta", "id": "a", "text": "...", "token_ids": [..]}
+    {"type": "done", "id": "a", "finish_reason": "stop|length|abort|error",
+     "usage": {"prompt_tokens": P, "completion_tokens": C, "total_tokens": P + C}}
+    {"type": "error", "id": "a" | null, "status": 400, "message": "...", "param": "..." | null}
+Closing the socket aborts every request still running on it. With an API key, the socket needs
+`Authorization: Bearer KEY` or (from a browser) the subprotocols ["actorserve", "bearer.KEY"].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import uuid
+from typing import Any
+
+import msgspec
+from fastapi import WebSocket, WebSocketDisconnect
+
+from ..messages.common import SamplingParams
+from .openai_protocol import APIError, ChatMessage, decode_error, invalid
+from .service import Gateway
+
+log = logging.getLogger("gateway")
+SUBPROTOCOL = "actorserve"
+MAX_ID_CHARS = 200
+
+
+class Generate(msgspec.Struct, tag="generate", tag_field="type", forbid_unknown_fields=True):
+    id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+
+
+class Abort(msgspec.Struct, tag="abort", tag_field="type", forbid_unknown_fields=True):
+    id: str
+
+
+_decoder = msgspec.json.Decoder(Generate | Abort)
+_encoder = msgspec.json.Encoder()
+
+
+def authorized(websocket: WebSocket, api_key: str | None) -> bool:
+    if not api_key:
+        return True
+    offered = [websocket.headers.get("authorization", "").removeprefix("Bearer ").strip()]
+    offered += [
+        p.removeprefix("bearer.")
+        for p in websocket.scope.get("subprotocols", [])
+        if p.startswith("bearer.")
+    ]
+    return any(hmac.compare_digest(o.encode(), api_key.encode()) for o in offered if o)
+
+
+class StreamSocket:
+    """One connected socket: its live requests by client id, and one lock around sends."""
+
+    def __init__(self, websocket: WebSocket, gateway: Gateway):
+        self.ws = websocket
+        self.gateway = gateway
+        self.prefix = f"ws-{uuid.uuid4().hex[:12]}-"
+        self.live: dict[str, asyncio.Task] = {}
+        self._send_lock = asyncio.Lock()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        async with self._send_lock:  # backpressure: deltas merge in the SDK while we wait here
+            await self.ws.send_text(_encoder.encode(message).decode())
+
+    async def send_error(self, rid: str | None, error: APIError) -> None:
+        self.gateway.metrics.error(error.status)
+        await self.send(
+            {
+                "type": "error",
+                "id": rid,
+                "status": error.status,
+                "message": error.message,
+                "param": error.param,
+            }
+        )
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                frame = await self.ws.receive()
+                if frame["type"] == "websocket.disconnect":
+                    return
+                data = frame.get("text") or frame.get("bytes") or b""
+                await self.on_message(data)
+        except WebSocketDisconnect:
+            return
+        finally:
+            for task in self.live.values():
+                task.cancel()  # each aborts its request in the Engine on the way out
+            if self.live:
+                await asyncio.gather(*self.live.values(), return_exceptions=True)
+
+    async def on_message(self, data: str | bytes) -> None:
+        try:
+            message = _decoder.decode(data)
+        except msgspec.DecodeError as exc:
+            rid = _peek_id(data)
+            await self.send_error(rid, decode_error(exc))
+            return
+        if isinstance(message, Abort):
+            if message.id in self.live:
+                await self.gateway.client.abort(self.prefix + message.id)
+            else:
+                await self.send_error(
+                    message.id,
+                    APIError(404, f"no live request with id {message.id!r} on this socket", "id"),
+                )
+            return
+        try:
+            prompt, param = self.prompt(message)
+        except APIError as exc:
+            await self.send_error(message.id, exc)
+            return
+        self.live[message.id] = asyncio.create_task(self.run(message, prompt, param))
+
+    def prompt(self, message: Generate) -> tuple[str | list[int], str]:
+        if not message.id or len(message.id) > MAX_ID_CHARS:
+            raise invalid(f"id must be 1 to {MAX_ID_CHARS} characters", "id")
+        if message.id in self.live:
+            raise invalid(f"id {message.id!r} is already running on this socket", "id")
+        given = [
+            name
+            for name in ("prompt", "prompt_token_ids", "messages")
+            if getattr(message, name) is not None
+        ]
+        if len(given) != 1:
+            raise invalid(
+                "give exactly one of prompt, prompt_token_ids and messages",
+                given[1] if len(given) > 1 else "prompt",
+            )
+        if message.messages is not None:
+            if self.gateway.chat is None:
+                raise invalid("this server offers no chat template", "messages")
+            chat = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(message.messages)]
+            try:
+                return self.gateway.chat.prompt_ids(chat), "messages"
+            except ValueError as exc:
+                raise invalid(str(exc), "messages") from None
+        prompt = message.prompt if message.prompt is not None else message.prompt_token_ids
+        return prompt, given[0]
+
+    async def run(self, message: Generate, prompt: str | list[int], param: str) -> None:
+        rid = message.id
+        try:
+            async for delta in self.gateway.generate(
+                prompt, message.params, self.prefix + rid, param
+            ):
+                if delta.text or delta.token_ids:
+                    await self.send(
+                        {
+                            "type": "delta",
+                            "id": rid,
+                            "text": delta.text,
+                            "token_ids": delta.token_ids,
+                        }
+                    )
+                if delta.finished:
+                    p, c = delta.prompt_tokens, delta.completion_tokens
+                    await self.send(
+                        {
+                            "type": "done",
+                            "id": rid,
+                            "finish_reason": delta.finish_reason.value,
+                            "usage": {
+                                "prompt_tokens": p,
+                                "completion_tokens": c,
+                                "total_tokens": p + c,
+                            },
+                        }
+                    )
+        except APIError as exc:
+            await self.send_error(rid, exc)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass  # the socket went away mid-send: `serve` cancels the rest
+        finally:
+            self.live.pop(rid, None)
+
+
+def _peek_id(data: str | bytes) -> str | None:
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    return raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str) else None
+
+
+async def stream_endpoint(websocket: WebSocket, gateway: Gateway) -> None:
+    if not authorized(websocket, gateway.settings.api_key):
+        await websocket.close(code=1008, reason="missing or wrong API key")
+        return
+    offered = websocket.scope.get("subprotocols", [])
+    await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+    await StreamSocket(websocket, gateway).serve()
