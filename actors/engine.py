@@ -38,6 +38,7 @@ from ..messages.control import ActorStatus, Drain, Drained, Recover, Roster
 from ..messages.step import AbortRequests, AddRequest, StatsQuery, StatsReply, TokensOut
 from .detokenizer import IncrementalDetokenizer
 from .runtime import Actor, actor_main
+from .stop_strings import StopStrings
 
 STATS_TIMEOUT_S = 2.0
 
@@ -49,6 +50,7 @@ class LiveRequest:
     identity: bytes
     request: AddRequest
     detokenizer: IncrementalDetokenizer
+    stop_strings: StopStrings | None = None
     output_token_ids: list[int] = field(default_factory=list)
 
 
@@ -167,7 +169,9 @@ class Engine(Actor):
             )
         request = AddRequest(rid, prompt_ids, message.params, [], message.priority)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-        self.live[rid] = LiveRequest(identity, request, detok)
+        params = message.params
+        stops = StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self.live[rid] = LiveRequest(identity, request, detok, stops)
         self.send("scheduler", request)
 
     def prompt_token_ids(self, message: GenerateRequest) -> list[int]:
@@ -204,12 +208,16 @@ class Engine(Actor):
                 continue
             live.output_token_ids.extend(output.token_ids)
             text = live.detokenizer.add(output.token_ids) if output.token_ids else ""
-            if output.finish_reason is not None:
+            reason = output.finish_reason
+            if live.stop_strings is not None:
+                text, matched = live.stop_strings.feed(text, final=reason is not None)
+                if matched and reason is None:
+                    reason = FinishReason.STOP
+                    self.send("scheduler", AbortRequests([output.request_id]))
+            if reason is not None:
                 del self.live[output.request_id]
                 self._maybe_drained()
-            delta = self._delta(
-                output.request_id, live, text, output.token_ids, output.finish_reason
-            )
+            delta = self._delta(output.request_id, live, text, output.token_ids, reason)
             delta.cached_tokens = output.cached_tokens
             self.reply(live.identity, delta)
 

@@ -112,6 +112,7 @@ class Scheduler(Actor):
         self._clear()
         self.num_preemptions = 0
         self.num_swaps = 0
+        self.num_recomputed_tokens = 0  # KV thrown away by recompute preemptions
         self.num_steps = 0
         self.num_partial_prefills = 0
         self.prompt_tokens = 0
@@ -184,6 +185,7 @@ class Scheduler(Actor):
         request.swapped = swapped
         request.told_block_manager = 0  # the BlockManager forgot its tokens either way
         if not swapped:
+            self.num_recomputed_tokens += request.num_computed
             request.num_computed = 0
         self._forget_in_worker(request.request_id)
         self._enqueue(request)
@@ -196,6 +198,7 @@ class Scheduler(Actor):
         stats.num_waiting = len(self.waiting)
         stats.num_preemptions = self.num_preemptions
         stats.num_swaps = self.num_swaps
+        stats.num_recomputed_tokens = self.num_recomputed_tokens
         stats.num_steps = self.num_steps
         stats.num_partial_prefills = self.num_partial_prefills
         stats.prompt_tokens = self.prompt_tokens

@@ -77,6 +77,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     num_steps: int = 0
     num_partial_prefills: int = 0  # steps that computed part of a prompt, not all of it
     num_swaps: int = 0  # preemptions that moved KV to CPU instead of dropping it
+    num_recomputed_tokens: int = 0  # computed KV that recompute preemptions threw away
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     prompt_tokens: int = 0

@@ -7,6 +7,7 @@ import enum
 import msgspec
 
 PROTOCOL_VERSION = 1
+MAX_STOP_STRINGS = 16
 
 
 class FinishReason(str, enum.Enum):
@@ -33,6 +34,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     min_tokens: int = 0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    stop: list[str] = []  # stop strings, checked by the Engine on the detokenized text
+    include_stop_str_in_output: bool = False
 
     def validate(self, vocab_size: int) -> str | None:
         """None when the params are acceptable, else a message naming the field and its limit."""
@@ -57,4 +60,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             return f"stop_token_ids must be in [0, vocab_size={vocab_size}), got {bad[0]}"
+        if len(self.stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= 256 for s in self.stop):
+            return (
+                f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings of at most 256 "
+                f"characters, got {self.stop!r:.80}"
+            )
         return None

@@ -1,6 +1,9 @@
-"""The block pool: room for tokens, preemption from the tail, FCFS admission, nothing leaked."""
+"""The block pool: room for tokens, preemption from the tail, FCFS admission, prefix caching,
+swap, and (property-based) ref counts, free queue and tables that stay consistent."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -8,97 +11,188 @@ from hypothesis import strategies as st
 from actorserve.actors.block_pool import BlockPool
 from actorserve.messages.blocks import BlockNeed
 
+BS = 16
 
-def consistent(pool: BlockPool) -> bool:
-    held = [b for table in pool.tables.values() for b in table]
-    return sorted(held + list(pool._free)) == list(range(pool.num_blocks))
+
+def new(rid, tokens, count=None, computed=0):
+    return BlockNeed(rid, computed, len(tokens) if count is None else count, True, list(tokens))
+
+
+def running(rid, computed, count, appended=()):
+    return BlockNeed(rid, computed, count, False, list(appended))
+
+
+def consistent(pool: BlockPool) -> None:
+    """Every block: ref_count == appearances in tables; free exactly when ref_count is 0."""
+    held = Counter(b for table in pool.tables.values() for b in table)
+    for block in pool.blocks:
+        assert block.ref_count == held[block.block_id], block.block_id
+        assert (block.block_id in pool._free) == (block.ref_count == 0), block.block_id
+    for h, block_id in pool.cached.items():
+        assert pool.blocks[block_id].hash == h
+    cpu = [b for blocks in pool.swapped.values() for b in blocks] + pool._cpu_free
+    assert sorted(cpu) == list(range(pool.num_cpu_blocks))
 
 
 def test_a_request_gets_ceil_tokens_over_block_size_blocks():
-    pool = BlockPool(10, 16)
-    granted, preempted, denied = pool.allocate_step([BlockNeed("a", 17, True)])
-    assert [len(g.new_block_ids) for g in granted] == [2] and not preempted and not denied
-    granted, _, _ = pool.allocate_step([BlockNeed("a", 32, False)])
-    assert granted[0].new_block_ids == []  # 32 tokens still fit in 2 blocks
-    granted, _, _ = pool.allocate_step([BlockNeed("a", 33, False)])
-    assert len(granted[0].new_block_ids) == 1 and pool.num_free == 7
+    pool = BlockPool(10, BS)
+    out = pool.allocate_step([new("a", range(17))])
+    assert [len(g.block_ids) for g in out.granted] == [2] and not out.preempted
+    out = pool.allocate_step([running("a", 17, 15, [1])])
+    assert out.granted[0].block_ids == []  # 32 tokens still fit in 2 blocks
+    out = pool.allocate_step([running("a", 32, 1, [2])])
+    assert len(out.granted[0].block_ids) == 1 and pool.num_free == 7
+    consistent(pool)
 
 
 def test_running_requests_preempt_from_the_tail_of_the_priority_order():
-    pool = BlockPool(4, 16)
-    pool.allocate_step(
-        [BlockNeed("a", 16, True), BlockNeed("b", 16, True), BlockNeed("c", 32, True)]
-    )
+    pool = BlockPool(4, BS, prefix_caching=False)
+    pool.allocate_step([new("a", [1] * 16), new("b", [2] * 16), new("c", [3] * 32)])
     assert pool.num_free == 0
-    granted, preempted, denied = pool.allocate_step(
-        [BlockNeed("a", 17, False), BlockNeed("b", 17, False), BlockNeed("c", 33, False)]
-    )
-    assert preempted == ["c"]  # the last one loses its blocks, a and b grow
-    assert [g.request_id for g in granted] == ["a", "b"] and not denied
-    assert "c" not in pool.tables and consistent(pool)
+    out = pool.allocate_step([running("a", 16, 1), running("b", 16, 1), running("c", 32, 1)])
+    assert out.preempted == ["c"]  # the last one loses its blocks, a and b grow
+    assert [g.request_id for g in out.granted] == ["a", "b"] and not out.denied
+    assert "c" not in pool.tables
+    consistent(pool)
 
 
 def test_a_request_preempts_itself_when_nothing_behind_it_can_give_way():
-    pool = BlockPool(2, 16)
-    pool.allocate_step([BlockNeed("a", 16, True)])
-    pool.allocate_step([BlockNeed("b", 16, True)])
-    granted, preempted, _ = pool.allocate_step(
-        [BlockNeed("a", 16, False), BlockNeed("b", 17, False)]
-    )
-    assert [g.request_id for g in granted] == ["a"] and preempted == ["b"]
+    pool = BlockPool(2, BS)
+    pool.allocate_step([new("a", [1] * 16)])
+    pool.allocate_step([new("b", [2] * 16)])
+    out = pool.allocate_step([running("a", 15, 1), running("b", 16, 1)])
+    assert [g.request_id for g in out.granted] == ["a"] and out.preempted == ["b"]
 
 
 def test_new_requests_are_admitted_in_order_and_none_jumps_the_queue():
-    pool = BlockPool(10, 16, watermark=0.1)
-    pool.allocate_step([BlockNeed("running", 16, True)])
-    granted, _, denied = pool.allocate_step(
-        [
-            BlockNeed("running", 17, False),
-            BlockNeed("big", 16 * 8, True),
-            BlockNeed("small", 1, True),
-        ]
+    pool = BlockPool(10, BS, watermark=0.1)
+    pool.allocate_step([new("running", [1] * 16)])
+    out = pool.allocate_step(
+        [running("running", 16, 1), new("big", [2] * 16 * 8), new("small", [3])]
     )
-    assert [g.request_id for g in granted] == ["running"]
-    assert denied == ["big", "small"]  # big would break the watermark; small must wait behind it
+    assert [g.request_id for g in out.granted] == ["running"]
+    assert out.denied == ["big", "small"]  # big would break the watermark; small waits behind it
+    assert "big" not in pool.tokens and "small" not in pool.tokens
 
 
 def test_an_idle_pool_admits_a_request_that_takes_every_block():
-    pool = BlockPool(4, 16)
-    granted, _, denied = pool.allocate_step([BlockNeed("all", 64, True)])
-    assert len(granted[0].new_block_ids) == 4 and not denied
+    pool = BlockPool(4, BS)
+    out = pool.allocate_step([new("all", [7] * 64)])
+    assert len(out.granted[0].block_ids) == 4 and not out.denied
 
 
-def test_free_is_idempotent():
-    pool = BlockPool(4, 16)
-    pool.allocate_step([BlockNeed("a", 20, True)])
+def test_a_cached_prefix_is_reused_and_at_least_one_token_is_recomputed():
+    pool = BlockPool(20, BS)
+    system = list(range(100, 164))  # 4 full blocks
+    out = pool.allocate_step([new("a", system + [1, 2, 3])])
+    first = out.granted[0]
+    assert first.num_computed == 0 and first.num_new_tokens == 67
+    pool.free("a")  # its blocks stay cached while free
+    consistent(pool)
+    out = pool.allocate_step([new("b", system + [9, 9])])
+    grant = out.granted[0]
+    assert grant.num_computed == 64 and grant.num_new_tokens == 2
+    assert grant.block_ids[:4] == first.block_ids[:4]
+    out = pool.allocate_step([new("c", system)])  # the whole prompt cached: redo its last block
+    assert out.granted[0].num_computed == 48 and out.granted[0].num_new_tokens == 16
+    assert pool.hit_tokens == 64 + 48
+    consistent(pool)
+
+
+def test_a_hash_match_with_other_tokens_is_not_a_hit():
+    pool = BlockPool(10, BS)
+    pool.allocate_step([new("a", list(range(40)))])
+    block = pool.blocks[pool.tables["a"][0]]
+    block.tokens = tuple(range(1, 17))  # as if a colliding hash had been stored
+    out = pool.allocate_step([new("b", list(range(40)))])
+    assert out.granted[0].num_computed == 0
+
+
+def test_free_is_idempotent_and_evicts_least_recently_freed_first():
+    pool = BlockPool(4, BS)
+    pool.allocate_step([new("a", list(range(20)))])
     assert pool.free("a") == 2 and pool.free("a") == 0 and pool.free("never") == 0
     assert pool.num_free == 4
+    pool.allocate_step([new("b", [5] * 40)])  # 3 blocks: takes the 2 never-used ones first
+    assert len(pool.cached) >= 1  # a's first full block survived
+    consistent(pool)
 
 
-@settings(max_examples=200, deadline=None)
+def test_swap_out_and_back_in_keeps_the_request_and_its_computed_tokens():
+    pool = BlockPool(4, BS, num_cpu_blocks=4, swap=True, prefix_caching=False)
+    pool.allocate_step([new("a", [1] * 32), new("b", [2] * 32)])
+    out = pool.allocate_step([running("a", 32, 1), running("b", 32, 1)])
+    assert out.swapped == ["b"] and out.preempted == []
+    assert len(out.swap_out) == 2 and pool.num_cpu_free == 2
+    consistent(pool)
+    pool.free("a")
+    out = pool.allocate_step([new("b", [2] * 33, count=1, computed=32)])
+    grant = out.granted[0]
+    assert grant.num_computed == 32 and len(grant.block_ids) == 3
+    assert [gpu for _, gpu in out.swap_in] == grant.block_ids[:2]
+    assert pool.num_cpu_free == 4
+    consistent(pool)
+
+
+@settings(max_examples=150, deadline=None)
 @given(
-    st.lists(st.tuples(st.sampled_from("abcdef"), st.integers(1, 80), st.booleans()), max_size=60)
+    st.lists(
+        st.tuples(
+            st.sampled_from("abcdef"),
+            st.integers(1, 70),
+            st.sampled_from(["step", "step", "finish"]),
+            st.integers(0, 3),
+        ),
+        max_size=50,
+    ),
+    st.booleans(),
 )
-def test_random_steps_keep_the_pool_consistent_and_everything_comes_back(ops):
-    pool = BlockPool(12, 8)
-    sizes: dict[str, int] = {}
-    for rid, grow, finish in ops:
-        if finish and rid in pool.tables:
+def test_random_steps_keep_the_pool_consistent_and_everything_comes_back(ops, swap):
+    """Allocate, append, cache hits, preempt (recompute or swap), swap back in, free."""
+    pool = BlockPool(14, 8, num_cpu_blocks=10, swap=swap)
+    prefixes = [[7] * 24, [8] * 16, [9] * 5, []]
+    state: dict[str, list[int]] = {}  # running: [computed, tokens the pool knows]
+    waiting: dict[str, tuple[int, int]] = {}  # preempted or swapped: (tokens, computed kept)
+
+    def step_need(rid: str, grow: int) -> BlockNeed:
+        computed, total = state[rid]
+        if computed < total:  # mid-prefill: more of the prompt
+            return running(rid, computed, min(grow, total - computed))
+        state[rid][1] += 1  # decode: one sampled token told, one computed
+        return running(rid, computed, 1, [3])
+
+    for rid, grow, op, prefix in ops:
+        if op == "finish":
             pool.free(rid)
-            sizes.pop(rid, None)
+            state.pop(rid, None)
+            waiting.pop(rid, None)
+            consistent(pool)
             continue
-        running = [BlockNeed(r, n, False) for r, n in sizes.items() if r != rid]
-        target = min(sizes.get(rid, 0) + grow, 96)
-        need = BlockNeed(rid, target, rid not in pool.tables)
-        granted, preempted, denied = pool.allocate_step(running + [need])
-        for r in preempted:
-            sizes.pop(r, None)
-        for g in granted:
-            if g.request_id == rid:
-                sizes[rid] = target
+        needs = [step_need(r, 1) for r in state if r != rid]
+        if rid in state:
+            needs.append(step_need(rid, grow))
+        elif rid in waiting:
+            total, kept = waiting[rid]
+            needs.append(new(rid, [1] * total, max(1, total - kept), kept))
+        else:
+            tokens = prefixes[prefix] + [ord(rid)] * grow
+            needs.append(new(rid, tokens))
+        totals = {n.request_id: len(n.token_ids) for n in needs if n.is_new}
+        out = pool.allocate_step(needs)
+        for g in out.granted:
+            if g.request_id in totals:
+                waiting.pop(g.request_id, None)
+                state[g.request_id] = [0, totals[g.request_id]]
+            state[g.request_id][0] = g.num_computed + g.num_new_tokens
+        for r in out.preempted + out.swapped:
+            computed, total = state.pop(r)
+            waiting[r] = (total, computed if r in out.swapped else 0)
+        for r in out.denied:
+            state.pop(r, None)
         for r, table in pool.tables.items():
-            assert len(table) * 8 >= sizes.get(r, 0)
-        assert consistent(pool)
-    for rid in list(pool.tables):
+            assert len(table) * 8 >= state[r][0]
+        consistent(pool)
+    for rid in list(pool.tables) + list(pool.swapped):
         pool.free(rid)
-    assert pool.num_free == 12 and consistent(pool)
+    assert pool.num_free == 14 and pool.num_cpu_free == 10
+    consistent(pool)

@@ -187,3 +187,18 @@ def test_cli_generate_streams_a_completion_through_a_running_engine(engine):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()
     assert "12 tokens" in out.stderr
+
+
+def test_a_stop_string_ends_the_stream_there_and_frees_the_request(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    full = engine.client.complete("def main():", params)
+    assert len(full.text) > 12
+    stop = full.text[len(full.text) // 2 :][:3]
+    cut = engine.client.complete("def main():", msgspec.structs.replace(params, stop=[stop]))
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert cut.finish_reason.value == "stop" and len(cut.token_ids) < 40
+    kept = engine.client.complete(
+        "def main():",
+        msgspec.structs.replace(params, stop=[stop], include_stop_str_in_output=True),
+    )
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
