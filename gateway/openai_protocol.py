@@ -112,7 +112,9 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: int = 0  # vLLM's: lower runs first
 
     def check_common(self) -> None:
         """Refuse what we cannot honour yet, with a 400 naming the field."""
@@ -140,8 +142,6 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                     f"{self.repetition_penalty}",
                     "repetition_penalty",
                 )
-        if self.stop:
-            raise invalid("stop strings are not supported yet; use stop_token_ids", "stop")
         if self.logit_bias:
             raise invalid("logit_bias is not supported yet", "logit_bias")
         if not self.skip_special_tokens:
@@ -161,6 +161,8 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             min_tokens=self.min_tokens,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
     @property

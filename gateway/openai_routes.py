@@ -155,7 +155,7 @@ async def completions(request: Request, gateway: Gateway) -> Response:
     params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens)
     rid = f"cmpl-{uuid.uuid4().hex}"
     model, created = gateway.settings.model_id, now()
-    deltas = gateway.generate(body.prompt_input(), params, rid)
+    deltas = gateway.generate(body.prompt_input(), params, rid, priority=body.priority)
     if not body.stream:
         text, last = await until_disconnect(request, collect(deltas))
         choice = CompletionChoice(0, text, None, finish_reason(last.finish_reason))
@@ -205,7 +205,7 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
     params = body.sampling_params(requested if requested is not None else max(room, 1))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     model, created = gateway.settings.model_id, now()
-    deltas = gateway.generate(prompt, params, rid, "messages")
+    deltas = gateway.generate(prompt, params, rid, "messages", body.priority)
     if not body.stream:
         text, last = await until_disconnect(request, collect(deltas))
         choice = ChatChoice(0, AssistantMessage(text), None, finish_reason(last.finish_reason))

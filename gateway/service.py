@@ -115,6 +115,7 @@ class Gateway:
         params: SamplingParams,
         request_id: str,
         prompt_param: str = "prompt",
+        priority: int = 0,
     ) -> AsyncIterator[Delta]:
         """Deltas of one request; raises APIError. Leaving early aborts it in the Engine."""
         error = params.validate(self.settings.vocab_size)
@@ -124,7 +125,7 @@ class Gateway:
         arrival = time.perf_counter()
         first: float | None = None
         last: Delta | None = None
-        stream = self.client.generate(prompt, params, request_id)
+        stream = self.client.generate(prompt, params, request_id, priority)
         try:
             async for delta in stream:
                 if first is None and delta.token_ids:

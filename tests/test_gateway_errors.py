@@ -81,7 +81,7 @@ BAD_BODIES = [  # (route, body, param, the message says)
         "repetition_penalty",
         "not supported yet",
     ),
-    ("completions", {**COMPLETION, "stop": ["\n"]}, "stop", "stop_token_ids"),
+    ("completions", {**COMPLETION, "stop": [""]}, "stop", "non-empty strings"),
     ("completions", {**COMPLETION, "logprobs": 2}, "logprobs", "not supported"),
     ("completions", {**COMPLETION, "prompt": ["a", "b"]}, "prompt", "batch of 2"),
     ("completions", {**COMPLETION, "stream": True, "temperature": -1}, "temperature", ">= 0"),

@@ -261,3 +261,18 @@ def test_a_tokenizer_without_a_chat_template_gets_the_simple_built_in_one(llama_
     tok = tokenizer(llama_dir)
     assert ids == tok.encode("<|user|>\nhi\n<|assistant|>\n")  # BOS first, like any prompt
     assert ids[0] == tok.bos_token_id
+
+
+def test_completion_stop_string_cuts_the_text_like_the_sdk(gateway, client):
+    full = sdk_greedy(gateway, PROMPT, 30, ignore_eos=True)
+    stop = full.text[len(full.text) // 2 :][:2]
+    result = client.completions.create(
+        model=gateway.model_name,
+        prompt=PROMPT,
+        max_tokens=30,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert result.choices[0].text == full.text[: full.text.index(stop)]
+    assert result.choices[0].finish_reason == "stop"
