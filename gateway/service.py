@@ -56,7 +56,8 @@ def engine_error(exc: EngineError, prompt_param: str = "prompt") -> APIError:
         if first in ("prompt", "prompt_token_ids")
         else (first if first in SAMPLING_FIELDS else None)
     )
-    return APIError(status, str(exc), param, exc.code, RETRY_AFTER if status == 429 else None)
+    retry = RETRY_AFTER if status in (429, 503) else None
+    return APIError(status, str(exc), param, exc.code, retry)
 
 
 class Gateway:

@@ -33,7 +33,9 @@ def test_a_step_plan_round_trips_through_the_workers_decoder():
 
 def test_an_inbox_refuses_a_message_meant_for_another_actor():
     with pytest.raises(DecodeError):
-        Decoder(SchedulerInbox).decode(encode(AllocateStep(0, 1, [BlockNeed("a", 3, True)])))
+        Decoder(SchedulerInbox).decode(
+            encode(AllocateStep(0, 1, [BlockNeed("a", 0, 3, True, [1, 2, 3])]))
+        )
     assert isinstance(
         Decoder(BlockManagerInbox).decode(encode(AllocateStep(0, 1, []))), AllocateStep
     )
