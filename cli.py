@@ -239,6 +239,29 @@ def run_status(args: argparse.Namespace) -> int:
     return 0 if health.ok else 1
 
 
+BENCHMARKS = ("throughput", "serving", "overhead", "prefix", "kernels", "chaos")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run scripts/bench_NAME.py (or scripts/chaos.py) from the source tree with the rest of
+    the arguments: `actorserve bench throughput --json out.json`."""
+    import importlib.util
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parent / "scripts"
+    path = scripts / ("chaos.py" if args.name == "chaos" else f"bench_{args.name}.py")
+    if not path.is_file():
+        print(
+            f"actorserve bench: {path} not found (benchmarks run from a source checkout)",
+            file=sys.stderr,
+        )
+        return 2
+    spec = importlib.util.spec_from_file_location(f"actorserve_bench_{args.name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(args.rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="actorserve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -284,6 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default=None, help="use an engine already serving there")
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.set_defaults(func=run_generate)
+
+    p = commands.add_parser("bench", help="run a benchmark script (see scripts/)")
+    p.add_argument("name", choices=BENCHMARKS)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the script's own arguments")
+    p.set_defaults(func=run_bench)
 
     p = commands.add_parser("status", help="list the actors of a running engine")
     p.add_argument("--address", required=True)

@@ -73,7 +73,7 @@ def inject_faults(address: str, count: int, gap_s: float, rng: random.Random, lo
             log.append((victim, how.name, time.monotonic() - started, now.last_recovery_s))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the tiny-llama test checkpoint")
     parser.add_argument("--requests", type=int, default=48)
@@ -81,7 +81,7 @@ def main() -> int:
     parser.add_argument("--faults", type=int, default=6)
     parser.add_argument("--gap-s", type=float, default=1.5, help="mean time between faults")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model = args.model or str(ensure_checkpoint("tiny-llama"))
     config = EngineConfig(model=model, heartbeat_interval_s=0.5, max_restarts=args.faults + 1)
     prompts = workload(args.requests, args.seed)
@@ -108,8 +108,10 @@ def main() -> int:
     print(f"{'requests completed':<28}{completed}/{len(prompts)}")
     print(f"{'identical to fault-free':<28}{identical}/{len(prompts)}")
     if recoveries:
-        print(f"{'recovery p50 / max':<28}{statistics.median(recoveries):.2f} s / "
-              f"{max(recoveries):.2f} s")
+        print(
+            f"{'recovery p50 / max':<28}{statistics.median(recoveries):.2f} s / "
+            f"{max(recoveries):.2f} s"
+        )
     print(f"{'workload wall time':<28}{elapsed:.1f} s")
     return 0 if completed == identical == len(prompts) else 1
 
