@@ -1,4 +1,9 @@
-"""Paged attention and KV store behind one dispatch point: Triton on CUDA, torch on CPU."""
+"""Paged attention and KV store behind one dispatch point: Triton on CUDA, torch on CPU.
+
+Backends: `triton` (kernels/paged_attention.py, store_kv.py), `cpu` (kernels/cpu.py: torch's fused
+CPU attention over the paged cache, the serving path on CPU), `reference` (kernels/reference.py:
+the plain torch oracle the others are tested against). `auto`: triton on CUDA, cpu elsewhere.
+"""
 
 from __future__ import annotations
 
@@ -18,16 +23,20 @@ class AttentionOps(NamedTuple):
     paged_attention: Callable[..., torch.Tensor]
 
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "cpu", "reference", "triton")
 
 
 def attention_ops(device: torch.device | str, backend: str = "auto") -> AttentionOps:
-    """Pick the kernels: `auto` is Triton on CUDA and the torch reference elsewhere."""
+    """Pick the kernels: `auto` is Triton on CUDA and the fused torch path (`cpu`) elsewhere."""
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
     device = torch.device(device)
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "reference"
+        backend = "triton" if device.type == "cuda" else "cpu"
+    if backend == "cpu":
+        from . import cpu
+
+        return AttentionOps("cpu", cpu.store_kv, cpu.paged_attention)
     if backend == "reference":
         return AttentionOps("reference", reference.store_kv, reference.paged_attention)
     from . import paged_attention, store_kv  # Triton imports only where they are used

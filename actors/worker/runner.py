@@ -26,14 +26,29 @@ from .sampler import Sampler, SampleRow
 
 @dataclass
 class CachedRequest:
-    """One request in the persistent batch."""
+    """One request in the persistent batch. Its block table is `blocks[:num_blocks]` (a numpy
+    buffer that grows by doubling, so a step's block tables are filled without Python lists)."""
 
     token_ids: list[int]
     num_prompt_tokens: int
     num_computed: int
-    block_ids: list[int]
+    blocks: np.ndarray  # int32
+    num_blocks: int
     new: NewRequest  # the params and identity as first received
     stop_token_ids: list[int]
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.blocks[: self.num_blocks].tolist()
+
+    def add_blocks(self, block_ids: list[int]) -> None:
+        end = self.num_blocks + len(block_ids)
+        if end > len(self.blocks):
+            grown = np.empty(max(end, 2 * len(self.blocks)), dtype=np.int32)
+            grown[: self.num_blocks] = self.blocks[: self.num_blocks]
+            self.blocks = grown
+        self.blocks[self.num_blocks : end] = block_ids
+        self.num_blocks = end
 
 
 @dataclass
@@ -72,8 +87,8 @@ class ModelRunner:
             self.requests.pop(rid, None)
         scheduled = []
         for update in plan.running:
-            request = self.requests[update.request_id]
-            request.block_ids.extend(update.new_block_ids)
+            if update.new_block_ids:
+                self.requests[update.request_id].add_blocks(update.new_block_ids)
             scheduled.append((update.request_id, update.num_new_tokens))
         for new in plan.new:
             stops = list(new.params.stop_token_ids)
@@ -83,7 +98,8 @@ class ModelRunner:
                 list(new.token_ids),
                 new.num_prompt_tokens,
                 new.num_computed_tokens,
-                list(new.block_ids),
+                np.array(new.block_ids, dtype=np.int32),
+                len(new.block_ids),
                 new,
                 stops,
             )
@@ -91,42 +107,55 @@ class ModelRunner:
         return scheduled
 
     def prepare(self, scheduled: list[tuple[str, int]]) -> StepInputs:
+        """Flat inputs for the step, vectorized over requests (numpy), one request after another."""
         bs = self.block_size
-        ids_parts, pos_parts, slot_parts = [], [], []
-        seq_lens, query_start = [], [0]
-        sample_index, sample_ids, sample_rows = [], [], []
-        max_blocks = max(len(self.requests[rid].block_ids) for rid, _ in scheduled)
-        tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-        for b, (rid, count) in enumerate(scheduled):
-            request = self.requests[rid]
-            start, end = request.num_computed, request.num_computed + count
-            blocks = np.asarray(request.block_ids, dtype=np.int64)
-            tables[b, : len(blocks)] = blocks
-            positions = np.arange(start, end, dtype=np.int64)
-            ids_parts.append(request.token_ids[start:end])
-            pos_parts.append(positions)
-            slot_parts.append(blocks[positions // bs] * bs + positions % bs)
-            seq_lens.append(end)
-            query_start.append(query_start[-1] + count)
-            if end == len(request.token_ids):
-                sample_index.append(query_start[-1] - 1)
-                sample_ids.append(rid)
-                sample_rows.append(
-                    SampleRow(
-                        request.new.params,
-                        end,
-                        end - request.num_prompt_tokens,
-                        request.stop_token_ids,
-                    )
-                )
+        n = len(scheduled)
+        reqs = [self.requests[rid] for rid, _ in scheduled]
+        counts = np.fromiter((count for _, count in scheduled), np.int64, n)
+        starts = np.fromiter((r.num_computed for r in reqs), np.int64, n)
+        ends = starts + counts
+        query_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start[1:])
+        total = int(query_start[-1])
+        num_blocks = np.fromiter((r.num_blocks for r in reqs), np.int64, n)
+        if bool((ends > num_blocks * bs).any()):
+            b = int(np.flatnonzero(ends > num_blocks * bs)[0])
+            raise ValueError(
+                f"request {scheduled[b][0]} computes up to token {int(ends[b])} but holds "
+                f"{int(num_blocks[b])} blocks of {bs}"
+            )
+        tables = np.zeros((n, int(num_blocks.max())), dtype=np.int32)
+        for b, r in enumerate(reqs):
+            tables[b, : r.num_blocks] = r.blocks[: r.num_blocks]
+        if total == n:  # decodes only: one token each
+            rows, positions = np.arange(n), starts
+            ids = [r.token_ids[i] for r, i in zip(reqs, starts.tolist())]
+        else:
+            rows = np.repeat(np.arange(n), counts)
+            positions = np.arange(total, dtype=np.int64) - np.repeat(
+                query_start[:-1] - starts, counts
+            )
+            ids = []
+            for r, start, end in zip(reqs, starts.tolist(), ends.tolist()):
+                ids.extend(r.token_ids[start:end])
+        slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        lengths = np.fromiter((len(r.token_ids) for r in reqs), np.int64, n)
+        sampling = np.flatnonzero(ends == lengths)  # requests that reach their last token
+        sample_ids, sample_rows = [], []
+        for i, end in zip(sampling.tolist(), ends[sampling].tolist()):
+            r = reqs[i]
+            sample_ids.append(scheduled[i][0])
+            sample_rows.append(
+                SampleRow(r.new.params, end, end - r.num_prompt_tokens, r.stop_token_ids)
+            )
         host = {
-            "input_ids": torch.tensor([t for part in ids_parts for t in part], dtype=torch.long),
-            "positions": torch.from_numpy(np.concatenate(pos_parts)),
-            "slot_mapping": torch.from_numpy(np.concatenate(slot_parts)),
+            "input_ids": torch.tensor(ids, dtype=torch.long),
+            "positions": torch.from_numpy(positions),
+            "slot_mapping": torch.from_numpy(slots),
             "block_tables": torch.from_numpy(tables),
-            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
-            "query_start_loc": torch.tensor(query_start, dtype=torch.int32),
-            "sample_index": torch.tensor(sample_index, dtype=torch.long),
+            "seq_lens": torch.from_numpy(ends.astype(np.int32)),
+            "query_start_loc": torch.from_numpy(query_start.astype(np.int32)),
+            "sample_index": torch.from_numpy(query_start[1:][sampling] - 1),
         }
         dev = self._to_device(host)
         meta = AttentionMetadata(
