@@ -51,7 +51,7 @@ class BlockManager(Actor):
     def on_allocate_step(self, message: AllocateStep) -> None:
         if message.epoch != self.epoch:
             return
-        out = self.pool.allocate_step(message.needs)
+        out = self.pool.allocate_step(message.needs, message.new_token_budget)
         self.send(
             "scheduler",
             Allocation(

@@ -172,9 +172,10 @@ class BlockPool:
 
     # -- one step --------------------------------------------------------------------------
 
-    def allocate_step(self, needs: list[BlockNeed]) -> StepBlocks:
+    def allocate_step(self, needs: list[BlockNeed], new_token_budget: int = 1 << 30) -> StepBlocks:
         """Allocate for one step's needs, given in priority order; see `AllocateStep`."""
         out = StepBlocks()
+        budget = new_token_budget
         gone: set[str] = set()
         tail = len(needs)  # needs[tail:] are preempted running requests
         for index, need in enumerate(needs):
@@ -182,11 +183,12 @@ class BlockPool:
             if rid in gone:
                 continue
             if need.is_new:
-                grant = None if out.denied else self._admit(need, out)
+                grant = None if out.denied or budget <= 0 else self._admit(need, out, budget)
                 if grant is None:
                     out.denied.append(rid)
                 else:
                     out.granted.append(grant)
+                    budget -= grant.num_new_tokens
                 continue
             self.tokens[rid].extend(need.token_ids)
             target = need.num_computed + need.num_new_tokens
@@ -215,12 +217,12 @@ class BlockPool:
             out.swapped.append(request_id)
             out.swap_out.extend(pairs)
 
-    def _admit(self, need: BlockNeed, out: StepBlocks) -> Grant | None:
+    def _admit(self, need: BlockNeed, out: StepBlocks, budget: int) -> Grant | None:
         """A waiting request: swap its KV back in, or reuse cached prefix blocks and allocate
-        the rest; None when it does not fit (it waits)."""
+        for at most `budget` more tokens; None when it does not fit (it waits)."""
         rid, tokens = need.request_id, list(need.token_ids)
         if rid in self.swapped:
-            computed, count = need.num_computed, need.num_new_tokens
+            computed, count = need.num_computed, min(need.num_new_tokens, budget)
             extra = -(-(computed + count) // self.block_size) - len(self.swapped[rid])
             if not self._admits(len(self.swapped[rid]) + extra):
                 return None
@@ -228,9 +230,10 @@ class BlockPool:
             self.allocate(rid, extra)
             self.tokens[rid] = tokens
         else:
-            hits = self._lookup(tokens) if need.num_computed == 0 else []
+            lookup = need.num_computed == 0 and not need.no_prefix_hits
+            hits = self._lookup(tokens) if lookup else []
             computed = max(need.num_computed, len(hits) * self.block_size)
-            count = min(need.num_new_tokens, len(tokens) - computed)
+            count = min(need.num_new_tokens, len(tokens) - computed, budget)
             want = -(-(computed + count) // self.block_size) - len(hits)
             reclaimed = sum(1 for b in hits if self.blocks[b].ref_count == 0)
             if not self._admits(want + reclaimed):

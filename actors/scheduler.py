@@ -7,8 +7,9 @@ TokensOut, Recover -> Engine.
 Owns: the waiting queue and running set, every request's tokens and computed-token count.
 Dies when: Stop, SIGTERM, or its supervisor goes away.
 
-A step: pick requests under `max_num_seqs` and `max_num_batched_tokens` -> one AllocateStep round
-trip (the BlockManager reuses cached prefixes, and preempts from the tail when blocks run out)
+A step: pick requests under `max_num_seqs` and `max_num_batched_tokens` (the new requests' share
+is spent by the BlockManager, which knows their prefix-cache hits) -> one AllocateStep round trip
+(the BlockManager reuses cached prefixes, and preempts from the tail when blocks run out)
 -> StepPlan with only what changed -> StepResult -> stop checks -> TokensOut. Blocks are freed
 only between steps, so no block is reused while a step runs on it.
 
@@ -48,6 +49,8 @@ from ..messages.step import (
 )
 from .runtime import Actor, actor_main
 
+CANDIDATE_TOKENS_PER_BUDGET_TOKEN = 16
+
 
 class Request:
     """The Scheduler's view of one request. `token_ids` = prompt + sampled tokens."""
@@ -64,6 +67,7 @@ class Request:
         "told_block_manager",
         "swapped",
         "cached_tokens",
+        "prompt_logprobs",
     )
 
     def __init__(self, message: AddRequest, eos_token_ids: list[int], arrival: int):
@@ -77,6 +81,10 @@ class Request:
         self.told_block_manager = 0  # tokens of token_ids the BlockManager has seen
         self.swapped = False  # KV waits in CPU blocks; num_computed stays valid
         self.cached_tokens: int | None = None  # set when first admitted
+        # prompt logprobs gathered over prefill chunks, sent with the first output (None: not
+        # asked, or already sent). Entry 0 (the first prompt token) is always None.
+        wants = message.params.prompt_logprobs is not None and not message.output_token_ids
+        self.prompt_logprobs: list | None = [None] if wants else None
         stops = set(message.params.stop_token_ids)
         if not message.params.ignore_eos:
             stops.update(eos_token_ids)
@@ -232,18 +240,22 @@ class Scheduler(Actor):
             )
         ]
         pending = {r.request_id: r for r in self.running.values() if r.request_id in counts}
+        # Waiting candidates: the BlockManager spends the budget on what is left after prefix
+        # cache hits, so offer more prompt tokens than the budget (bounded, to keep the
+        # message small while a long queue waits).
         seats = self.config.max_num_seqs - len(self.running)
+        offered, cap = 0, CANDIDATE_TOKENS_PER_BUDGET_TOKEN * self.config.max_num_batched_tokens
         for request in self.waiting:
-            if seats <= 0 or budget <= 0:
+            if seats <= 0 or budget <= 0 or offered >= cap:
                 break
-            count = min(len(request.token_ids) - request.num_computed, budget)
+            count = len(request.token_ids) - request.num_computed
             needs.append(self._need(request, count, True))
             pending[request.request_id] = request
-            budget -= count
+            offered += count
             seats -= 1
         self.step_id += 1
         self.pending = pending
-        self.send("block_manager", AllocateStep(self.epoch, self.step_id, needs))
+        self.send("block_manager", AllocateStep(self.epoch, self.step_id, needs, budget))
 
     def _victim_last(self, request: Request):
         """Sort key of running requests: the last ones are preempted first."""
@@ -255,7 +267,12 @@ class Scheduler(Actor):
         told = request.told_block_manager
         request.told_block_manager = len(request.token_ids)
         return BlockNeed(
-            request.request_id, request.num_computed, count, is_new, request.token_ids[told:]
+            request.request_id,
+            request.num_computed,
+            count,
+            is_new,
+            request.token_ids[told:],
+            is_new and request.prompt_logprobs is not None,  # computes its whole prompt
         )
 
     def _make_seats(self) -> None:
@@ -344,8 +361,14 @@ class Scheduler(Actor):
             request.num_computed += count
             if request.num_computed < len(request.token_ids):
                 self.num_partial_prefills += 1
+        for chunk in result.prompt_logprobs:
+            request = self.requests.get(chunk.request_id)
+            gathered = request.prompt_logprobs if request is not None else None
+            if gathered is not None and chunk.start <= len(gathered):  # a recompute repeats some
+                gathered.extend(chunk.entries[len(gathered) - chunk.start :])
         outputs = []
-        for rid, token in zip(result.request_ids, result.token_ids):
+        logprobs = result.logprobs or itertools.repeat(None)
+        for rid, token, lp in zip(result.request_ids, result.token_ids, logprobs):
             request = self.requests.get(rid)
             if request is None:  # aborted while the step ran
                 continue
@@ -353,7 +376,12 @@ class Scheduler(Actor):
             self.generation_tokens += 1
             reason = request.finish_reason(self.max_model_len)
             cached = (request.cached_tokens or 0) if reason is not None else 0
-            outputs.append(RequestOutput(rid, [token], reason, cached))
+            output = RequestOutput(rid, [token], reason, cached)
+            if lp is not None:
+                output.logprobs = [lp]
+            if request.prompt_logprobs is not None:
+                output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
+            outputs.append(output)
             if reason is not None:
                 self._finish(request)
         return outputs

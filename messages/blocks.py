@@ -5,13 +5,15 @@ from __future__ import annotations
 import msgspec
 
 
-class BlockNeed(msgspec.Struct, array_like=True, gc=False):
+class BlockNeed(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """Room for `num_computed + num_new_tokens` tokens for one request.
 
     `token_ids`: the request's tokens the BlockManager has not been told yet (all of them for a
     new request; the newly sampled ones for a running one), for prefix-cache hashing.
     A new request's `num_computed` is 0 unless it is coming back from swap; the BlockManager may
     raise it (prefix cache hit) and shrink `num_new_tokens` to what is left of the prompt.
+    `no_prefix_hits`: a new request that must compute its whole prompt (it wants prompt logprobs,
+    which cached tokens would lack); its full blocks are still registered for others.
     """
 
     request_id: str
@@ -19,6 +21,7 @@ class BlockNeed(msgspec.Struct, array_like=True, gc=False):
     num_new_tokens: int
     is_new: bool  # waiting -> running: may be denied, never preempts others
     token_ids: list[int]
+    no_prefix_hits: bool = False
 
 
 class AllocateStep(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -26,11 +29,15 @@ class AllocateStep(msgspec.Struct, tag=True, array_like=True, gc=False):
     preempts from the tail of this list (frees, or swaps out, the last running request's blocks)
     until it fits, the request itself being the last resort. A new request that does not fit is
     denied, and so are all new requests after it (nobody jumps the queue).
+    New requests also share `new_token_budget`, spent on what is left of each prompt *after* its
+    prefix-cache hit (the Scheduler cannot know the hits): a request the budget cannot reach is
+    denied too, and one it reaches in part is prefilled in a chunk.
     """
 
     epoch: int
     step_id: int
     needs: list[BlockNeed]
+    new_token_budget: int
 
 
 class Grant(msgspec.Struct, array_like=True, gc=False):

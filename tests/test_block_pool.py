@@ -99,6 +99,20 @@ def test_a_cached_prefix_is_reused_and_at_least_one_token_is_recomputed():
     consistent(pool)
 
 
+def test_the_new_token_budget_is_spent_after_prefix_hits_and_chunks_the_last_admitted():
+    pool = BlockPool(40, BS)
+    system = list(range(200, 264))  # 4 full blocks
+    pool.allocate_step([new("first", system + [1])])
+    pool.free("first")
+    needs = [new(f"r{i}", system + [i] * 10) for i in range(4)] + [new("late", [9] * 40)]
+    out = pool.allocate_step(needs, new_token_budget=45)
+    assert [g.num_new_tokens for g in out.granted] == [10, 10, 10, 10, 5]
+    assert [g.num_computed for g in out.granted] == [64, 64, 64, 64, 0]
+    out = pool.allocate_step([new("next", [3] * 5)], new_token_budget=0)
+    assert out.denied == ["next"] and "next" not in pool.tokens
+    consistent(pool)
+
+
 def test_a_hash_match_with_other_tokens_is_not_a_hit():
     pool = BlockPool(10, BS)
     pool.allocate_step([new("a", list(range(40)))])

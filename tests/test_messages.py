@@ -34,10 +34,10 @@ def test_a_step_plan_round_trips_through_the_workers_decoder():
 def test_an_inbox_refuses_a_message_meant_for_another_actor():
     with pytest.raises(DecodeError):
         Decoder(SchedulerInbox).decode(
-            encode(AllocateStep(0, 1, [BlockNeed("a", 0, 3, True, [1, 2, 3])]))
+            encode(AllocateStep(0, 1, [BlockNeed("a", 0, 3, True, [1, 2, 3])], 64))
         )
     assert isinstance(
-        Decoder(BlockManagerInbox).decode(encode(AllocateStep(0, 1, []))), AllocateStep
+        Decoder(BlockManagerInbox).decode(encode(AllocateStep(0, 1, [], 64))), AllocateStep
     )
 
 
@@ -60,7 +60,13 @@ def test_client_messages_name_the_bad_field():
         (SamplingParams(top_p=0), "top_p"),
         (SamplingParams(top_k=-2), "top_k"),
         (SamplingParams(min_p=2), "min_p"),
-        (SamplingParams(n=2), "n"),
+        (SamplingParams(n=0), "n"),
+        (SamplingParams(presence_penalty=2.5), "presence_penalty"),
+        (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+        (SamplingParams(logit_bias={10**9: 1.0}), "logit_bias"),
+        (SamplingParams(logit_bias={1: 101.0}), "logit_bias"),
+        (SamplingParams(logprobs=21), "logprobs"),
+        (SamplingParams(prompt_logprobs=-1), "prompt_logprobs"),
         (SamplingParams(min_tokens=9, max_tokens=3), "min_tokens"),
         (SamplingParams(stop_token_ids=[10**9]), "stop_token_ids"),
     ],
