@@ -7,7 +7,6 @@ resolved config to every actor it starts.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import msgspec
@@ -26,22 +25,12 @@ class ModelFacts(msgspec.Struct, frozen=True):
 
     @classmethod
     def read(cls, model_dir: str | Path) -> ModelFacts:
-        model_dir = Path(model_dir)
-        config_path = model_dir / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"model: no config.json in {model_dir}")
-        config = json.loads(config_path.read_text())
-        eos = config.get("eos_token_id")
-        gen_path = model_dir / "generation_config.json"
-        if gen_path.is_file():
-            eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        text = config.get("text_config", config)
-        return cls(
-            vocab_size=int(text["vocab_size"]),
-            max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
-            eos_token_ids=eos_ids,
-        )
+        """Parse the checkpoint's config (the Worker's parser: unsupported models fail here,
+        before any process starts). max_position_embeddings is capped by a sliding window."""
+        from .worker.models.config import ModelConfig  # JSON and msgspec only, no torch
+
+        config = ModelConfig.from_dir(model_dir)
+        return cls(config.vocab_size, config.max_model_len, list(config.eos_token_ids))
 
 
 class Addresses(msgspec.Struct, frozen=True):
