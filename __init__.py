@@ -5,13 +5,14 @@ Doors: `LLM` (offline), `Client` / `AsyncClient` (ZeroMQ SDK), the `actorserve` 
 
 from .gateway.client import AsyncClient, Client, EngineError
 from .messages.common import FinishReason, SamplingParams
-from .offline import LLM, Completion
+from .offline import LLM, Completion, Sample
 
 __all__ = [
     "LLM",
     "AsyncClient",
     "Client",
     "Completion",
+    "Sample",
     "EngineError",
     "FinishReason",
     "SamplingParams",

@@ -18,12 +18,32 @@ from .messages.common import FinishReason, SamplingParams
 
 
 @dataclass
-class Completion:
-    prompt: str | list[int]
+class Sample:
     text: str
     token_ids: list[int]
     finish_reason: FinishReason | None
+
+
+@dataclass
+class Completion:
+    """One prompt's result: `samples` holds all n of them; text etc. are sample 0's."""
+
+    prompt: str | list[int]
+    samples: list[Sample]
     prompt_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.samples[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.samples[0].token_ids
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.samples[0].finish_reason
 
 
 class LLM:
@@ -60,13 +80,18 @@ class LLM:
         client: AsyncClient = self._client._async
         bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
 
-        async def one(prompt, p) -> Completion:
-            text, ids, last = [], [], None
-            async for last in client.generate(prompt, p):
-                text.append(last.text)
-                ids.extend(last.token_ids)
+        async def one(prompt, p: SamplingParams) -> Completion:
+            samples = [Sample("", [], None) for _ in range(p.n)]
+            prompt_tokens = cached = 0
+            async for delta in client.generate(prompt, p):
+                sample = samples[delta.index]
+                sample.text += delta.text
+                sample.token_ids.extend(delta.token_ids)
+                sample.finish_reason = delta.finish_reason or sample.finish_reason
+                prompt_tokens = delta.prompt_tokens or prompt_tokens
+                cached = delta.cached_tokens or cached
             bar.update(1)
-            return Completion(prompt, "".join(text), ids, last.finish_reason, last.prompt_tokens)
+            return Completion(prompt, samples, prompt_tokens, cached)
 
         try:
             return await asyncio.gather(*[one(x, p) for x, p in zip(prompts, params)])

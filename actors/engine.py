@@ -8,6 +8,12 @@ Owns: the tokenizer; the journal of live requests (prompt ids, params, tokens se
 Dies when: Stop, SIGTERM, or its supervisor goes away. A client's bad bytes never kill it.
 On Recover (another actor restarted) it re-submits every live request with the tokens already
 streamed, so generation resumes where it was: nothing lost, nothing sent twice.
+
+Parallel samples: a GenerateRequest with n > 1 fans out into n child requests `{id}#{i}` (seeds
+seed + i when seeded, so the samples differ and are reproducible); each is journaled and resumed
+like any request, its deltas go to the client under the client's id with `index` i, and aborting
+the client's id aborts every child. The children share the prompt's full blocks through the
+prefix cache (each computes the prompt's last, partial block itself: no copy-on-write).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from ..messages.client import (
     Pong,
 )
 from ..messages.codec import DecodeError, Decoder, EngineInbox, encode, peek_request_id
-from ..messages.common import FinishReason
+from ..messages.common import FinishReason, SamplingParams
 from ..messages.control import ActorStatus, Drain, Drained, Recover, Roster
 from ..messages.step import AbortRequests, AddRequest, StatsQuery, StatsReply, TokensOut
 from .detokenizer import IncrementalDetokenizer
@@ -45,13 +51,24 @@ STATS_TIMEOUT_S = 2.0
 
 @dataclass
 class LiveRequest:
-    """A journal entry: enough to re-submit the request with nothing lost."""
+    """A journal entry: enough to re-submit the request with nothing lost. `request.request_id`
+    is the client's id, or for sample `index` of an n > 1 request that of a child."""
 
     identity: bytes
     request: AddRequest
     detokenizer: IncrementalDetokenizer
     stop_strings: StopStrings | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    client_id: str = ""  # the id the client knows (deltas carry it)
+    index: int = 0  # which of the client's n samples
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index` of an n > 1 request: n = 1, seed + index, and only sample 0 computes the
+    prompt logprobs (the others may then share the prompt's blocks)."""
+    seed = None if params.seed is None else (params.seed + index) % 2**63
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 class InvalidRequest(Exception):
@@ -65,7 +82,8 @@ class Engine(Actor):
     def __init__(self, config):
         super().__init__(config)
         self.facts = config.facts
-        self.live: dict[str, LiveRequest] = {}
+        self.live: dict[str, LiveRequest] = {}  # by request id (a child's for n > 1)
+        self.groups: dict[str, list[str]] = {}  # client id of an n > 1 request -> live children
         self.health_waiters: dict[str, tuple[bytes, str]] = {}
         self.roster: list[ActorStatus] = []
         self.client_decoder = Decoder(ClientToEngine)
@@ -88,8 +106,10 @@ class Engine(Actor):
         self.router.bind(address)
 
     async def teardown(self) -> None:
-        for rid, live in self.live.items():
-            self.reply(live.identity, ErrorReply("the engine stopped", "unavailable", rid))
+        for live in self.live.values():
+            self.reply(
+                live.identity, ErrorReply("the engine stopped", "unavailable", live.client_id)
+            )
         self.router.close(linger=100)
 
     async def background(self) -> None:
@@ -129,7 +149,11 @@ class Engine(Actor):
         elif isinstance(message, AbortRequest):
             self.abort(message.request_id)
         elif isinstance(message, Ping):
-            unknown = [rid for rid in message.request_ids if rid not in self.live]
+            unknown = [
+                rid
+                for rid in message.request_ids
+                if rid not in self.live and rid not in self.groups
+            ]
             self.reply(identity, Pong(unknown, self.draining))
         elif isinstance(message, HealthRequest):
             self._query_seq += 1
@@ -145,9 +169,13 @@ class Engine(Actor):
         if self.draining:
             self.reply(identity, ErrorReply("the engine is shutting down", "unavailable", rid))
             return
-        if rid in self.live:
+        if rid in self.live or rid in self.groups:
             raise InvalidRequest(f"request_id {rid!r} is already in use by a live request")
-        if len(self.live) >= self.config.max_live_requests:
+        error = message.params.validate(self.facts.vocab_size)
+        if error:
+            raise InvalidRequest(error)
+        n = message.params.n
+        if len(self.live) + n > self.config.max_live_requests:
             self.reply(
                 identity,
                 ErrorReply(
@@ -157,9 +185,6 @@ class Engine(Actor):
                 ),
             )
             return
-        error = message.params.validate(self.facts.vocab_size)
-        if error:
-            raise InvalidRequest(error)
         prompt_ids = self.prompt_token_ids(message)
         max_len = self.config.max_model_len
         if len(prompt_ids) >= max_len:
@@ -167,12 +192,22 @@ class Engine(Actor):
                 f"prompt is {len(prompt_ids)} tokens, max_model_len is {max_len}: the prompt "
                 f"must be at most {max_len - 1} tokens to leave room for one output token"
             )
-        request = AddRequest(rid, prompt_ids, message.params, [], message.priority)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-        params = message.params
-        stops = StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None
-        self.live[rid] = LiveRequest(identity, request, detok, stops)
-        self.send("scheduler", request)
+        if n == 1:
+            children = [(rid, message.params)]
+        else:
+            children = [(f"{rid}#{i}", child_params(message.params, i)) for i in range(n)]
+            taken = next((cid for cid, _ in children if cid in self.live), None)
+            if taken is not None:
+                raise InvalidRequest(f"request_id {taken!r} is already in use by a live request")
+            self.groups[rid] = [cid for cid, _ in children]
+        for index, (cid, params) in enumerate(children):
+            request = AddRequest(cid, prompt_ids, params, [], message.priority)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+            stops = (
+                StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None
+            )
+            self.live[cid] = LiveRequest(identity, request, detok, stops, [], rid, index)
+            self.send("scheduler", request)
 
     def prompt_token_ids(self, message: GenerateRequest) -> list[int]:
         if (message.prompt is None) == (message.prompt_token_ids is None):
@@ -192,12 +227,26 @@ class Engine(Actor):
         return list(ids)
 
     def abort(self, request_id: str) -> None:
-        live = self.live.pop(request_id, None)
-        if live is None:
+        """Abort a client's request (every sample of an n > 1 one)."""
+        children = self.groups.get(request_id) or [request_id]
+        aborted = [cid for cid in children if cid in self.live]
+        if not aborted:
             return
-        self.send("scheduler", AbortRequests([request_id]))
-        self.reply(live.identity, self._delta(request_id, live, "", [], FinishReason.ABORT))
+        self.send("scheduler", AbortRequests(aborted))
+        for cid in aborted:
+            live = self._retire(cid)
+            self.reply(live.identity, self._delta(live, "", [], FinishReason.ABORT))
         self._maybe_drained()
+
+    def _retire(self, request_id: str) -> LiveRequest:
+        """Drop a finished request from the journal (and from its n > 1 group)."""
+        live = self.live.pop(request_id)
+        group = self.groups.get(live.client_id)
+        if group is not None:
+            group.remove(request_id)
+            if not group:
+                del self.groups[live.client_id]
+        return live
 
     # -- outputs -----------------------------------------------------------------------------
 
@@ -206,6 +255,7 @@ class Engine(Actor):
             live = self.live.get(output.request_id)
             if live is None:  # aborted by the client already
                 continue
+            first = not live.output_token_ids
             live.output_token_ids.extend(output.token_ids)
             text = live.detokenizer.add(output.token_ids) if output.token_ids else ""
             reason = output.finish_reason
@@ -215,21 +265,26 @@ class Engine(Actor):
                     reason = FinishReason.STOP
                     self.send("scheduler", AbortRequests([output.request_id]))
             if reason is not None:
-                del self.live[output.request_id]
+                self._retire(output.request_id)
                 self._maybe_drained()
-            delta = self._delta(output.request_id, live, text, output.token_ids, reason)
+            delta = self._delta(live, text, output.token_ids, reason)
             delta.cached_tokens = output.cached_tokens
+            if output.logprobs:
+                delta.logprobs = output.logprobs
+            if first and output.prompt_logprobs is not None:
+                delta.prompt_logprobs = output.prompt_logprobs
             self.reply(live.identity, delta)
 
     @staticmethod
-    def _delta(rid: str, live: LiveRequest, text: str, token_ids: list[int], reason) -> Delta:
+    def _delta(live: LiveRequest, text: str, token_ids: list[int], reason) -> Delta:
         return Delta(
-            rid,
+            live.client_id,
             text,
             token_ids,
             reason,
             len(live.request.prompt_token_ids),
             len(live.output_token_ids),
+            index=live.index,
         )
 
     def on_stats_reply(self, message: StatsReply) -> None:

@@ -1,7 +1,8 @@
 """The ZeroMQ client SDK: `AsyncClient` (asyncio) and `Client` (blocking), over one DEALER socket.
 
 One receive task reads the socket and routes each reply by request id. A stream whose consumer is
-slow does not queue without bound: deltas that arrive before it reads are merged into one.
+slow does not queue without bound: deltas that arrive before it reads are merged into one per
+sample (`Delta.index`; a request with n > 1 ends once all n samples have finished).
 While streams are open a watchdog pings the Engine every `ping_interval_s`: streams the Engine no
 longer knows (it restarted) fail with EngineError(code="unavailable"), and when nothing at all
 comes back for `liveness_timeout_s` every stream fails with EngineUnavailable. No hang.
@@ -50,31 +51,61 @@ class EngineUnavailable(EngineError):
         super().__init__(message, "unavailable")
 
 
-class _Stream:
-    """Pending output of one request: deltas merge while nobody reads them."""
+def merge(first: Delta, then: Delta) -> Delta:
+    """Two consecutive deltas of one sample as one (text, token ids and logprobs joined)."""
+    logprobs = first.logprobs
+    if then.logprobs is not None:
+        logprobs = then.logprobs if logprobs is None else logprobs + then.logprobs
+    return Delta(
+        then.request_id,
+        first.text + then.text,
+        first.token_ids + then.token_ids,
+        then.finish_reason,
+        then.prompt_tokens,
+        then.completion_tokens,
+        then.cached_tokens or first.cached_tokens,
+        then.index,
+        logprobs,
+        first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
+    )
 
-    def __init__(self):
-        self.pending: Delta | None = None
+
+def join(deltas: list[Delta]) -> Delta:
+    """All the deltas of one sample, in order, as one."""
+    last = deltas[-1]
+    logprobs = [lp for d in deltas for lp in d.logprobs or ()]
+    return Delta(
+        last.request_id,
+        "".join(d.text for d in deltas),
+        [t for d in deltas for t in d.token_ids],
+        last.finish_reason,
+        last.prompt_tokens,
+        last.completion_tokens,
+        last.cached_tokens,
+        last.index,
+        logprobs if any(d.logprobs is not None for d in deltas) else None,
+        next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
+    )
+
+
+class _Stream:
+    """Pending output of one request: deltas merge, per sample index, while nobody reads them."""
+
+    def __init__(self, n: int = 1):
+        self.n = n
+        self.pending: dict[int, Delta] = {}
+        self.finished = 0  # samples whose last delta has arrived
         self.error: EngineError | None = None
         self.event = asyncio.Event()
 
     def push(self, delta: Delta) -> None:
-        if self.pending is None:
-            self.pending = delta
-        else:
-            p = self.pending
-            self.pending = Delta(
-                delta.request_id,
-                p.text + delta.text,
-                p.token_ids + delta.token_ids,
-                delta.finish_reason,
-                delta.prompt_tokens,
-                delta.completion_tokens,
-            )
+        held = self.pending.get(delta.index)
+        self.pending[delta.index] = delta if held is None else merge(held, delta)
+        self.finished += delta.finished
         self.event.set()
 
     def fail(self, error: EngineError) -> None:
-        if self.pending is not None and self.pending.finished:
+        if self.finished >= self.n:
             return  # it ended before the failure was noticed
         self.error = error
         self.event.set()
@@ -175,7 +206,8 @@ class AsyncClient:
         priority: int = 0,
     ) -> AsyncIterator[Delta]:
         """Stream the completion's deltas; the last one has `finish_reason` set.
-        `priority`: lower runs first (FCFS within a level).
+        `priority`: lower runs first (FCFS within a level). With `params.n` > 1 the deltas of
+        the n samples interleave (`Delta.index`) and the stream ends after n finished ones.
 
         Leaving the loop early (break, cancel, error) aborts the request in the engine.
         """
@@ -183,9 +215,12 @@ class AsyncClient:
         if rid in self._streams:
             raise EngineError(f"request_id {rid!r} is already streaming", "invalid_request", rid)
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-        message = GenerateRequest(rid, text, ids, params or SamplingParams(), priority)
-        stream = self._streams[rid] = _Stream()
+        params = params or SamplingParams()
+        message = GenerateRequest(rid, text, ids, params, priority)
+        n = max(1, params.n)
+        stream = self._streams[rid] = _Stream(n)
         self._ensure_receiver()
+        done = 0
         finished = False
         try:
             await self._socket.send(encode(message))
@@ -200,9 +235,11 @@ class AsyncClient:
                 if stream.error is not None:
                     finished = True
                     raise stream.error
-                delta, stream.pending = stream.pending, None
-                if delta is not None:
-                    finished = delta.finished
+                deltas, stream.pending = stream.pending, {}
+                for index in sorted(deltas):
+                    delta = deltas[index]
+                    done += delta.finished
+                    finished = done >= n
                     yield delta
         finally:
             self._streams.pop(rid, None)
@@ -281,19 +318,18 @@ class Client:
             self._call(stream.aclose())
 
     def complete(self, prompt: str | list[int], params: SamplingParams | None = None) -> Delta:
-        """The whole completion as one Delta (text and token ids joined)."""
-        text, ids, last = [], [], None
-        for last in self.generate(prompt, params):
-            text.append(last.text)
-            ids.extend(last.token_ids)
-        return Delta(
-            last.request_id,
-            "".join(text),
-            ids,
-            last.finish_reason,
-            last.prompt_tokens,
-            last.completion_tokens,
-        )
+        """The whole completion as one Delta (text, token ids and logprobs joined); with n > 1,
+        sample 0 (see `complete_all`)."""
+        return self.complete_all(prompt, params)[0]
+
+    def complete_all(
+        self, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> list[Delta]:
+        """Every sample of the request (`params.n` of them) as one joined Delta, by index."""
+        parts: dict[int, list[Delta]] = {}
+        for delta in self.generate(prompt, params):
+            parts.setdefault(delta.index, []).append(delta)
+        return [join(parts[i]) for i in sorted(parts)]
 
     def abort(self, request_id: str) -> None:
         self._call(self._async.abort(request_id))

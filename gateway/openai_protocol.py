@@ -2,7 +2,8 @@
 
 Requests decode strictly (a wrong type or an unknown field is a 400 naming the field, as OpenAI's
 own API does). Fields we accept but cannot honour yet are refused with a 400 that says so, never
-silently ignored. Responses encode to exactly OpenAI's JSON (None -> null, no field left out).
+silently ignored. Responses encode to exactly OpenAI's JSON (None -> null, no field left out);
+vLLM's `prompt_logprobs` appears only when asked for.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 
 import msgspec
 
-from ..messages.common import FinishReason, SamplingParams
+from ..messages.common import MAX_LOGPROBS, MAX_N, FinishReason, SamplingParams
+from .openai_logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprob
 
 
 class APIError(Exception):
@@ -115,41 +117,36 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0  # vLLM's: lower runs first
+    prompt_logprobs: int | None = None
 
     def check_common(self) -> None:
-        """Refuse what we cannot honour yet, with a 400 naming the field."""
+        """Refuse what we cannot honour yet, with a 400 naming the field. Ranges the Engine
+        checks too (SamplingParams.validate) are checked there, once."""
         if self.n < 1:
             raise invalid(f"n must be >= 1, got {self.n}", "n")
-        if self.n > 1:
-            raise invalid(f"n must be 1: parallel sampling (n={self.n}) is not supported yet", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if not -2.0 <= value <= 2.0:
-                raise invalid(f"{name} must be in [-2, 2], got {value}", name)
-            if value != 0.0:
-                raise invalid(f"{name} is not supported yet: it must be 0, got {value}", name)
-        if self.repetition_penalty is not None:
-            if not self.repetition_penalty > 0.0:
-                raise invalid(
-                    f"repetition_penalty must be > 0, got {self.repetition_penalty}",
-                    "repetition_penalty",
-                )
-            if self.repetition_penalty != 1.0:
-                raise invalid(
-                    "repetition_penalty is not supported yet: it must be 1.0, got "
-                    f"{self.repetition_penalty}",
-                    "repetition_penalty",
-                )
-        if self.logit_bias:
-            raise invalid("logit_bias is not supported yet", "logit_bias")
+        if self.n > MAX_N:
+            raise invalid(f"n must be <= {MAX_N}, got {self.n}", "n")
+        if self.prompt_logprobs is not None and self.stream:
+            raise invalid(
+                "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+            )
         if not self.skip_special_tokens:
             raise invalid("skip_special_tokens=false is not supported yet", "skip_special_tokens")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias with OpenAI's string keys as token ids."""
+        try:
+            return {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise invalid(
+                f"logit_bias keys must be token ids (integers as strings), got "
+                f"{list(self.logit_bias)!r:.80}",
+                "logit_bias",
+            ) from None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -163,6 +160,14 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ignore_eos=self.ignore_eos,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(
+                1.0 if self.repetition_penalty is None else self.repetition_penalty
+            ),
+            logit_bias=self.token_bias(),
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     @property
@@ -182,8 +187,6 @@ class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
         self.check_common()
         if self.echo:
             raise invalid("echo is not supported yet", "echo")
-        if self.logprobs is not None:
-            raise invalid("logprobs are not supported yet", "logprobs")
         if self.best_of is not None and self.best_of != 1:
             raise invalid(f"best_of must be 1 (not supported yet), got {self.best_of}", "best_of")
         if self.suffix:
@@ -249,12 +252,23 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
         self.check_common()
         if not self.messages:
             raise invalid("messages must hold at least one message", "messages")
-        if self.logprobs or self.top_logprobs:
-            raise invalid("logprobs are not supported yet", "logprobs")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise invalid(
+                    f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                    "top_logprobs",
+                )
         if self.tools:
             raise invalid("tools are not supported yet", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise invalid("response_format other than text is not supported yet", "response_format")
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """SamplingParams.logprobs: None unless logprobs is true, then top_logprobs (0)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
@@ -288,8 +302,14 @@ class Usage(msgspec.Struct):
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+
+
+class CompletionChoiceWithPrompt(CompletionChoice):
+    """vLLM's choice with `prompt_logprobs` (only when the request asked for them)."""
+
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class Completion(msgspec.Struct):
@@ -310,7 +330,7 @@ class AssistantMessage(msgspec.Struct):
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -324,6 +344,12 @@ class ChatCompletion(msgspec.Struct):
     usage: Usage | None = None
 
 
+class ChatCompletionWithPrompt(ChatCompletion):
+    """vLLM's chat response with `prompt_logprobs` (only when the request asked for them)."""
+
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
 class ChunkDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
@@ -332,7 +358,7 @@ class ChunkDelta(msgspec.Struct, omit_defaults=True):
 class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChunkDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

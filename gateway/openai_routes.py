@@ -1,9 +1,11 @@
 """POST /v1/completions and /v1/chat/completions: one request through `Gateway.generate`.
 
 Streaming answers are Server-Sent Events framed as OpenAI frames them: `data: {json}\\n\\n` per
-chunk, then `data: [DONE]\\n\\n`. The first delta (or the Engine's refusal) is awaited before the
-status line goes out, so a refused request still gets its 4xx with OpenAI's error body. A client
-that disconnects (streaming or not) aborts its request in the Engine.
+chunk, then `data: [DONE]\\n\\n`; with n > 1 the choices' chunks interleave, each naming its
+`index`. The first delta (or the Engine's refusal) is awaited before the status line goes out, so
+a refused request still gets its 4xx with OpenAI's error body. A client that disconnects
+(streaming or not) aborts its request in the Engine. Logprobs take OpenAI's shapes
+(openai_logprobs.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..messages.client import Delta
-from ..messages.common import FinishReason
+from ..messages.common import FinishReason, TokenLogprobs
+from .openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs, token_names
 from .openai_protocol import (
     APIError,
     AssistantMessage,
@@ -27,9 +30,11 @@ from .openai_protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionWithPrompt,
     ChunkDelta,
     Completion,
     CompletionChoice,
+    CompletionChoiceWithPrompt,
     CompletionChunk,
     CompletionRequest,
     Usage,
@@ -136,15 +141,41 @@ async def primed(deltas: AsyncIterator[Delta]) -> tuple[Delta, AsyncIterator[Del
     return first, deltas
 
 
-async def collect(deltas: AsyncIterator[Delta]) -> tuple[str, Delta]:
-    """The whole completion; a request the Engine failed (finish reason `error`) is a 500."""
-    text: list[str] = []
-    last = None
-    async for last in deltas:
-        text.append(last.text)
-    if last.finish_reason is FinishReason.ERROR:
+class Sample:
+    """One choice of a whole (non-streamed) completion: its deltas joined."""
+
+    def __init__(self):
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self.last: Delta | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text.append(delta.text)
+        self.logprobs.extend(delta.logprobs or ())
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.last = delta
+
+
+async def collect(deltas: AsyncIterator[Delta], n: int) -> list[Sample]:
+    """The n samples of a whole completion, by index; a sample the Engine failed (finish reason
+    `error`) makes it a 500."""
+    samples = [Sample() for _ in range(n)]
+    async for delta in deltas:
+        samples[delta.index].add(delta)
+    if any(s.last.finish_reason is FinishReason.ERROR for s in samples):
         raise APIError(500, "the engine failed while generating this completion", None, "internal")
-    return "".join(text), last
+    return samples
+
+
+def usage_of(lasts: list[Delta]) -> Usage:
+    """OpenAI's usage of a request: the prompt once, the completion tokens of every choice."""
+    return Usage.of(lasts[0].prompt_tokens, sum(d.completion_tokens for d in lasts))
+
+
+def _names(gateway: Gateway):
+    return token_names(gateway.chat.tokenizer if gateway.chat is not None else None)
 
 
 async def completions(request: Request, gateway: Gateway) -> Response:
@@ -152,36 +183,58 @@ async def completions(request: Request, gateway: Gateway) -> Response:
     body.check()
     check_model(gateway, body.model)
     check_max_tokens(body.max_tokens, "max_tokens")
-    params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens)
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    params = body.sampling_params(max_tokens, body.logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
     model, created = gateway.settings.model_id, now()
+    names = _names(gateway)
     deltas = gateway.generate(body.prompt_input(), params, rid, priority=body.priority)
     if not body.stream:
-        text, last = await until_disconnect(request, collect(deltas))
-        choice = CompletionChoice(0, text, None, finish_reason(last.finish_reason))
-        usage = Usage.of(last.prompt_tokens, last.completion_tokens)
-        return json_response(Completion(rid, [choice], created, model, usage=usage))
+        samples = await until_disconnect(request, collect(deltas, body.n))
+        choices = []
+        for i, sample in enumerate(samples):
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(sample.logprobs, names)[0]
+            reason = finish_reason(sample.last.finish_reason)
+            text = "".join(sample.text)
+            if body.prompt_logprobs is None:
+                choices.append(CompletionChoice(i, text, logprobs, reason))
+            else:
+                prompt = prompt_logprobs(samples[0].prompt_logprobs or [], names)
+                choices.append(CompletionChoiceWithPrompt(i, text, logprobs, reason, prompt))
+        usage = usage_of([sample.last for sample in samples])
+        return json_response(Completion(rid, choices, created, model, usage=usage))
     first, rest = await until_disconnect(request, primed(deltas))
     usage_each = body.stream_options is not None and body.stream_options.continuous_usage_stats
 
     async def events() -> AsyncIterator[bytes]:
-        last = first
+        lasts: dict[int, Delta] = {}
+        offsets = [0] * body.n
         try:
             async for delta in chained(first, rest):
-                last = delta
-                if not delta.text and not delta.finished:
+                if delta.finished:
+                    lasts[delta.index] = delta
+                if not delta.text and not delta.finished and not delta.logprobs:
                     continue
                 usage = (
                     Usage.of(delta.prompt_tokens, delta.completion_tokens) if usage_each else None
                 )
-                choice = CompletionChoice(0, delta.text, None, finish_reason(delta.finish_reason))
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs, offsets[delta.index] = completion_logprobs(
+                        delta.logprobs or [], names, offsets[delta.index]
+                    )
+                choice = CompletionChoice(
+                    delta.index, delta.text, logprobs, finish_reason(delta.finish_reason)
+                )
                 yield sse(CompletionChunk(rid, [choice], created, model, usage=usage))
         except APIError as exc:
             yield sse(exc.body())
         finally:
             await rest.aclose()
-        if body.include_usage and last.finished:
-            usage = Usage.of(last.prompt_tokens, last.completion_tokens)
+        if body.include_usage and len(lasts) == body.n:
+            usage = usage_of([lasts[i] for i in range(body.n)])
             yield sse(CompletionChunk(rid, [], created, model, usage=usage))
         yield SSE_DONE
 
@@ -202,37 +255,56 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
         raise invalid(str(exc), "messages") from None
     room = gateway.settings.max_model_len - len(prompt)
     requested = body.requested_max_tokens
-    params = body.sampling_params(requested if requested is not None else max(room, 1))
+    max_tokens = requested if requested is not None else max(room, 1)
+    params = body.sampling_params(max_tokens, body.logprobs_count)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     model, created = gateway.settings.model_id, now()
+    names = _names(gateway)
     deltas = gateway.generate(prompt, params, rid, "messages", body.priority)
     if not body.stream:
-        text, last = await until_disconnect(request, collect(deltas))
-        choice = ChatChoice(0, AssistantMessage(text), None, finish_reason(last.finish_reason))
-        usage = Usage.of(last.prompt_tokens, last.completion_tokens)
-        return json_response(ChatCompletion(rid, [choice], created, model, usage=usage))
+        samples = await until_disconnect(request, collect(deltas, body.n))
+        choices = [
+            ChatChoice(
+                i,
+                AssistantMessage("".join(sample.text)),
+                chat_logprobs(sample.logprobs, names) if body.logprobs else None,
+                finish_reason(sample.last.finish_reason),
+            )
+            for i, sample in enumerate(samples)
+        ]
+        usage = usage_of([sample.last for sample in samples])
+        if body.prompt_logprobs is None:
+            return json_response(ChatCompletion(rid, choices, created, model, usage=usage))
+        prompt_lps = prompt_logprobs(samples[0].prompt_logprobs or [], names)
+        return json_response(
+            ChatCompletionWithPrompt(
+                rid, choices, created, model, usage=usage, prompt_logprobs=prompt_lps
+            )
+        )
     first, rest = await until_disconnect(request, primed(deltas))
 
-    def chunk(delta: ChunkDelta, reason: str | None = None) -> bytes:
-        choice = ChatChunkChoice(0, delta, None, reason)
+    def chunk(index: int, delta: ChunkDelta, reason: str | None = None, logprobs=None) -> bytes:
+        choice = ChatChunkChoice(index, delta, logprobs, reason)
         return sse(ChatCompletionChunk(rid, [choice], created, model))
 
     async def events() -> AsyncIterator[bytes]:
-        last = first
-        yield chunk(ChunkDelta(role="assistant", content=""))
+        lasts: dict[int, Delta] = {}
+        for index in range(body.n):
+            yield chunk(index, ChunkDelta(role="assistant", content=""))
         try:
             async for delta in chained(first, rest):
-                last = delta
-                if delta.text:
-                    yield chunk(ChunkDelta(content=delta.text))
+                if delta.text or (body.logprobs and delta.logprobs):
+                    logprobs = chat_logprobs(delta.logprobs or [], names) if body.logprobs else None
+                    yield chunk(delta.index, ChunkDelta(content=delta.text), None, logprobs)
                 if delta.finished:
-                    yield chunk(ChunkDelta(), finish_reason(delta.finish_reason))
+                    lasts[delta.index] = delta
+                    yield chunk(delta.index, ChunkDelta(), finish_reason(delta.finish_reason))
         except APIError as exc:
             yield sse(exc.body())
         finally:
             await rest.aclose()
-        if body.include_usage and last.finished:
-            usage = Usage.of(last.prompt_tokens, last.completion_tokens)
+        if body.include_usage and len(lasts) == body.n:
+            usage = usage_of([lasts[i] for i in range(body.n)])
             yield sse(ChatCompletionChunk(rid, [], created, model, usage=usage))
         yield SSE_DONE
 

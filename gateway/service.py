@@ -118,7 +118,8 @@ class Gateway:
         prompt_param: str = "prompt",
         priority: int = 0,
     ) -> AsyncIterator[Delta]:
-        """Deltas of one request; raises APIError. Leaving early aborts it in the Engine."""
+        """Deltas of one request (of its n samples, by `Delta.index`); raises APIError.
+        Leaving before all n samples finished aborts it in the Engine."""
         error = params.validate(self.settings.vocab_size)
         if error:
             raise engine_error(EngineError(error, "invalid_request"), prompt_param)
@@ -126,22 +127,24 @@ class Gateway:
         arrival = time.perf_counter()
         first: float | None = None
         last: Delta | None = None
+        finished = longest = 0
         stream = self.client.generate(prompt, params, request_id, priority)
         try:
             async for delta in stream:
                 if first is None and delta.token_ids:
                     first = time.perf_counter()
                 last = delta
+                if delta.finished:
+                    finished += 1
+                    longest = max(longest, delta.completion_tokens)
                 yield delta
             reason = last.finish_reason.value if last and last.finish_reason else "abort"
-            self.metrics.observe(
-                arrival, first, time.perf_counter(), last.completion_tokens if last else 0, reason
-            )
+            self.metrics.observe(arrival, first, time.perf_counter(), longest, reason)
         except EngineError as exc:
             raise engine_error(exc, prompt_param) from None
         finally:
             self._release()
-            if last is None or not last.finished:
+            if finished < params.n:
                 self._abort_soon(request_id)
             await stream.aclose()
 

@@ -9,6 +9,11 @@ Server -> client:
     {"type": "done", "id": "a", "finish_reason": "stop|length|abort|error",
      "usage": {"prompt_tokens": P, "completion_tokens": C, "total_tokens": P + C}}
     {"type": "error", "id": "a" | null, "status": 400, "message": "...", "param": "..." | null}
+With params.n > 1 every delta and done frame also carries "index" (the sample), and the request
+ends after n done frames. With params.logprobs a delta carries "logprobs": one
+[token_id, logprob, rank, [[id, logprob], ...]] per token id (the top list left out when
+params.logprobs is 0); with params.prompt_logprobs the first delta carries "prompt_logprobs"
+(null for the first prompt token, then such entries).
 Closing the socket aborts every request still running on it. With an API key, the socket needs
 `Authorization: Bearer KEY` or (from a browser) the subprotocols ["actorserve", "bearer.KEY"].
 """
@@ -154,25 +159,32 @@ class StreamSocket:
 
     async def run(self, message: Generate, prompt: str | list[int], param: str) -> None:
         rid = message.id
+        several = message.params.n > 1
         try:
             async for delta in self.gateway.generate(
                 prompt, message.params, self.prefix + rid, param
             ):
-                if delta.text or delta.token_ids:
-                    await self.send(
-                        {
-                            "type": "delta",
-                            "id": rid,
-                            "text": delta.text,
-                            "token_ids": delta.token_ids,
-                        }
-                    )
+                sample = {"index": delta.index} if several else {}
+                if delta.text or delta.token_ids or delta.prompt_logprobs is not None:
+                    frame = {
+                        "type": "delta",
+                        "id": rid,
+                        **sample,
+                        "text": delta.text,
+                        "token_ids": delta.token_ids,
+                    }
+                    if delta.logprobs is not None:
+                        frame["logprobs"] = delta.logprobs
+                    if delta.prompt_logprobs is not None:
+                        frame["prompt_logprobs"] = delta.prompt_logprobs
+                    await self.send(frame)
                 if delta.finished:
                     p, c = delta.prompt_tokens, delta.completion_tokens
                     await self.send(
                         {
                             "type": "done",
                             "id": rid,
+                            **sample,
                             "finish_reason": delta.finish_reason.value,
                             "usage": {
                                 "prompt_tokens": p,

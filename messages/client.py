@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .common import FinishReason, SamplingParams
+from .common import FinishReason, SamplingParams, TokenLogprobs
 from .control import ActorStatus
 
 
@@ -43,10 +43,13 @@ class Pong(msgspec.Struct, tag=True):
 
 
 class Delta(msgspec.Struct, tag=True, omit_defaults=True):
-    """New text and token ids of one request; the last delta carries `finish_reason`.
+    """New text and token ids of one sample of a request; its last delta carries `finish_reason`.
 
     `text` holds only complete UTF-8 characters: bytes of a character split across tokens are held
-    back until the character is whole.
+    back until the character is whole. With `n` > 1 every delta names its sample by `index`
+    (0 .. n-1) and the request ends when all n samples have finished; counts are per sample.
+    `logprobs[i]` belongs to `token_ids[i]` when the request asked for logprobs.
+    `prompt_logprobs` (first delta of sample 0): one entry per prompt token, None for the first.
     """
 
     request_id: str
@@ -56,6 +59,9 @@ class Delta(msgspec.Struct, tag=True, omit_defaults=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # of the prompt, found in the prefix cache (set on the last delta)
+    index: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

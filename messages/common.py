@@ -8,6 +8,9 @@ import msgspec
 
 PROTOCOL_VERSION = 1
 MAX_STOP_STRINGS = 16
+MAX_N = 64  # parallel samples of one request
+MAX_LOGPROBS = 20  # top alternatives per token (logprobs, prompt_logprobs)
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 
 
 class FinishReason(str, enum.Enum):
@@ -17,11 +20,31 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine could not serve it
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """One token's log-probability under the raw model distribution (log_softmax of the logits
+    before any penalty, bias, temperature or filter), its rank (1 + the number of tokens with a
+    strictly higher logprob), and the `k` most likely tokens as (token id, logprob), best first
+    (so `top[i]` has rank i + 1, ties aside). `top` is empty when k is 0."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = []
+
+
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """What the client asks of one completion. `validate` names the first field out of range.
 
     temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
     A `seed` makes the request's draws independent of the other requests in its batch.
+    `n` > 1: the Engine runs n samples of the prompt (seeds seed, seed + 1, ... when seeded).
+    Penalties (vLLM's semantics, applied after `logit_bias`): `presence_penalty` subtracts p from
+    every token already in the output, `frequency_penalty` f times its count there;
+    `repetition_penalty` r divides the positive logits (multiplies the negative ones) of every
+    token in the prompt or the output. `logit_bias` adds its value to a token's logit.
+    `logprobs` k: each sampled token's logprob and rank, with the top k alternatives;
+    `prompt_logprobs` k: the same for every prompt token but the first (such a request computes
+    its whole prompt: no prefix-cache hits).
     """
 
     n: int = 1
@@ -36,11 +59,17 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     ignore_eos: bool = False
     stop: list[str] = []  # stop strings, checked by the Engine on the detokenized text
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self, vocab_size: int) -> str | None:
         """None when the params are acceptable, else a message naming the field and its limit."""
-        if self.n != 1:
-            return f"n must be 1 (parallel sampling is not supported yet), got {self.n}"
+        if not 1 <= self.n <= MAX_N:
+            return f"n must be in [1, {MAX_N}], got {self.n}"
         if not self.temperature >= 0.0:
             return f"temperature must be >= 0, got {self.temperature}"
         if not 0.0 < self.top_p <= 1.0:
@@ -65,4 +94,36 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                 f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings of at most 256 "
                 f"characters, got {self.stop!r:.80}"
             )
+        return self._validate_logits_params(vocab_size)
+
+    def _validate_logits_params(self, vocab_size: int) -> str | None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                return f"{name} must be in [-2, 2], got {value}"
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            return f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            return (
+                f"logit_bias must hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}"
+            )
+        for token, bias in self.logit_bias.items():
+            if not 0 <= token < vocab_size:
+                return f"logit_bias token ids must be in [0, vocab_size={vocab_size}), got {token}"
+            if not -100.0 <= bias <= 100.0:
+                return f"logit_bias values must be in [-100, 100], got {bias} for token {token}"
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                return f"{name} must be in [0, {MAX_LOGPROBS}] (or null), got {value}"
         return None
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether penalties or a logit bias change this request's logits before sampling."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )

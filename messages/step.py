@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from .client import EngineStats
-from .common import FinishReason, SamplingParams
+from .common import FinishReason, SamplingParams, TokenLogprobs
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
@@ -29,10 +29,16 @@ class AbortRequests(msgspec.Struct, tag=True, array_like=True):
 
 
 class RequestOutput(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """`logprobs[i]` belongs to `token_ids[i]` (only for a request that asked for logprobs).
+    `prompt_logprobs` (on the request's first output): one entry per prompt token, None for the
+    first (nothing predicts it)."""
+
     request_id: str
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (on the last output)
+    logprobs: list[TokenLogprobs] = []
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class TokensOut(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -73,8 +79,22 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True, gc=False, omit_default
     swap_in: list[tuple[int, int]] = []  # (cpu block, gpu block), copied before the forward
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of prompt tokens `start .. start + len(entries) - 1` of one request (start >= 1),
+    from one step's chunk of its prefill."""
+
+    request_id: str
+    start: int
+    entries: list[TokenLogprobs]
+
+
 class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False, omit_defaults=True):
-    """Worker -> Scheduler: `token_ids[i]` was sampled for `request_ids[i]`."""
+    """Worker -> Scheduler: `token_ids[i]` was sampled for `request_ids[i]`.
+
+    `logprobs` is empty unless a sampled row asked for them; then `logprobs[i]` belongs to
+    `token_ids[i]` (None for the rows that did not ask). `prompt_logprobs`: one chunk per request
+    with `prompt_logprobs` whose prompt this step computed part of.
+    """
 
     epoch: int
     step_id: int
@@ -82,6 +102,8 @@ class StepResult(msgspec.Struct, tag=True, array_like=True, gc=False, omit_defau
     token_ids: list[int]
     forward_s: float = 0.0
     error: str | None = None
+    logprobs: list[TokenLogprobs | None] = []
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class StatsQuery(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):

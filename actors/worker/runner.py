@@ -20,6 +20,7 @@ import torch
 from ...messages.step import NewRequest, StepPlan, StepResult
 from ..config import EngineConfig
 from .kv_cache import KVCache
+from .logprobs import PromptLogprobsTracker, start_sample_logprobs
 from .models.llama import AttentionMetadata
 from .sampler import Sampler, SampleRow
 
@@ -65,6 +66,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model, kv: KVCache, device: torch.device):
         self.config = config
         self.model = model
+        if device.type == "cpu":
+            model.use_column_major_weights()  # faster small-batch GEMMs on CPU
         self.kv = kv
         self.kv_caches = kv.layers
         self.device = device
@@ -72,6 +75,7 @@ class ModelRunner:
         self.eos_token_ids = config.facts.eos_token_ids
         self.requests: dict[str, CachedRequest] = {}
         self.sampler = Sampler(config.seed)
+        self.prompt_logprobs = PromptLogprobsTracker()  # requests owing prompt logprobs
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None  # step inputs, KV swaps
         self.compute_stream = torch.cuda.Stream(device) if cuda else None
@@ -146,7 +150,9 @@ class ModelRunner:
             r = reqs[i]
             sample_ids.append(scheduled[i][0])
             sample_rows.append(
-                SampleRow(r.new.params, end, end - r.num_prompt_tokens, r.stop_token_ids)
+                SampleRow(
+                    r.new.params, end, end - r.num_prompt_tokens, r.stop_token_ids, r.token_ids
+                )
             )
         host = {
             "input_ids": torch.tensor(ids, dtype=torch.long),
@@ -186,6 +192,7 @@ class ModelRunner:
         started = time.perf_counter()
         self.kv.swap(plan.swap_out, plan.swap_in, self.copy_stream)
         scheduled = self.apply(plan)
+        self.prompt_logprobs.track(plan.new)
         if not scheduled:
             return StepResult(plan.epoch, plan.step_id, [], [])
         with self._on_compute_stream():
@@ -194,12 +201,18 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             forwarded = self._clock()
             tokens: list[int] = []
+            logprobs = []
             if inputs.sample_ids:
                 logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_index))
                 logits_done = self._clock()
+                pending = start_sample_logprobs(logits, inputs.sample_rows)  # raw distribution
                 tokens = self.sampler(logits, inputs.sample_rows)
+                logprobs = pending.finish(tokens) if pending is not None else []
             else:
                 logits_done = forwarded
+            prompt_logprobs = self.prompt_logprobs.compute(
+                self.model, hidden, scheduled, self.requests
+            )
         for rid, count in scheduled:
             self.requests[rid].num_computed += count
         for rid, token in zip(inputs.sample_ids, tokens):
@@ -208,7 +221,13 @@ class ModelRunner:
         if self.trace is not None:
             self._write_trace(plan, scheduled, inputs, started, prepared, forwarded, logits_done)
         return StepResult(
-            plan.epoch, plan.step_id, inputs.sample_ids, tokens, forward_s=finished - started
+            plan.epoch,
+            plan.step_id,
+            inputs.sample_ids,
+            tokens,
+            forward_s=finished - started,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _clock(self) -> float | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ...messages.common import SamplingParams
+from .logits_processors import apply_logits_processors
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
@@ -31,6 +32,7 @@ class SampleRow:
     position: int  # index of the token being sampled in prompt + output
     num_output: int  # tokens already generated
     stop_token_ids: list[int]  # EOS (unless ignore_eos) + stop_token_ids, masked before min_tokens
+    token_ids: list[int] | None = None  # prompt + output so far (read only for penalties)
 
 
 class Sampler:
@@ -43,6 +45,8 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.num_output < row.params.min_tokens and row.stop_token_ids:
                 logits[i, row.stop_token_ids] = float("-inf")
+        if any(r.params.processes_logits for r in rows):  # penalties, logit_bias
+            logits = apply_logits_processors(logits, rows)
         # max(dim).indices is argmax (the first maximum) and ~3x faster than argmax on CPU
         tokens = logits.max(dim=-1).indices.cpu()
         if all(r.params.temperature == 0.0 for r in rows):
