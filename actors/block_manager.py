@@ -63,6 +63,7 @@ class BlockManager(Actor):
                 out.swapped,
                 out.swap_out,
                 out.swap_in,
+                out.copies,
             ),
         )
 
@@ -76,6 +77,7 @@ class BlockManager(Actor):
         stats = message.stats
         stats.blocks_total = self.pool.num_blocks
         stats.blocks_free = self.pool.num_free
+        stats.num_forks = self.pool.num_forks
         stats.prefix_query_tokens = self.pool.query_tokens
         stats.prefix_hit_tokens = self.pool.hit_tokens
         self.send("engine", StatsReply(message.query_id, stats))

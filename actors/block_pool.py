@@ -30,6 +30,7 @@ class StepBlocks:
     denied: list[str] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu), copy first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu), copy second
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device, third
 
 
 class Block:
@@ -67,6 +68,7 @@ class BlockPool:
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self.swapped: dict[str, list[int]] = {}  # request -> its CPU blocks, in order
+        self.num_forks = 0  # samples that took another sample's prompt blocks
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of which found
 
@@ -229,6 +231,13 @@ class BlockPool:
             out.swap_in.extend(self.swap_in(rid))
             self.allocate(rid, extra)
             self.tokens[rid] = tokens
+        elif need.fork_of is not None:
+            if need.fork_of not in self.tables:  # preempted in this very step: try later
+                return None
+            computed, count = need.num_computed, min(need.num_new_tokens, budget)
+            if self._fork(need.fork_of, rid, computed, computed + count, out) is None:
+                return None
+            self.tokens[rid] = tokens
         else:
             lookup = need.num_computed == 0 and not need.no_prefix_hits
             hits = self._lookup(tokens) if lookup else []
@@ -248,6 +257,30 @@ class BlockPool:
             self.allocate(rid, want)
         self._register(rid, computed + count)
         return Grant(rid, list(self.tables[rid]), computed, count)
+
+    def _fork(self, parent: str, child: str, shared_tokens: int, target: int, out: StepBlocks):
+        """Give `child` the blocks holding `parent`'s first `shared_tokens` tokens (ref counted)
+        and room for `target` tokens. The block the child writes first is copied when it is
+        shared and only partly the child's (copy-on-write); None when blocks are short."""
+        bs = self.block_size
+        shared = self.tables[parent][: -(-shared_tokens // bs)]
+        partial = shared_tokens % bs != 0  # the child writes into the last shared block
+        want = -(-target // bs) - len(shared) + partial
+        if not self._admits(want):
+            return None
+        for block_id in shared:
+            self._take_cached(block_id)
+        self.tables[child] = list(shared)
+        if partial:
+            src = shared[-1]
+            dst = self._take_fresh()
+            self.tables[child][-1] = dst
+            self._release([src])
+            out.copies.append((src, dst))
+            want -= 1
+        self.allocate(child, want)
+        self.num_forks += 1
+        return self.tables[child]
 
     def _admits(self, want: int) -> bool:
         """A new request keeps a watermark of free blocks, unless the pool is otherwise idle."""

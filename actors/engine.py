@@ -12,8 +12,9 @@ streamed, so generation resumes where it was: nothing lost, nothing sent twice.
 Parallel samples: a GenerateRequest with n > 1 fans out into n child requests `{id}#{i}` (seeds
 seed + i when seeded, so the samples differ and are reproducible); each is journaled and resumed
 like any request, its deltas go to the client under the client's id with `index` i, and aborting
-the client's id aborts every child. The children share the prompt's full blocks through the
-prefix cache (each computes the prompt's last, partial block itself: no copy-on-write).
+the client's id aborts every child. Sample 0 computes the prompt; samples i > 0 wait for it, then
+fork: they share its prompt blocks, the partial last block copied on write, and recompute only the
+last prompt token for their own first draw (Scheduler._fork_need, BlockPool._fork).
 """
 
 from __future__ import annotations
@@ -201,7 +202,8 @@ class Engine(Actor):
                 raise InvalidRequest(f"request_id {taken!r} is already in use by a live request")
             self.groups[rid] = [cid for cid, _ in children]
         for index, (cid, params) in enumerate(children):
-            request = AddRequest(cid, prompt_ids, params, [], message.priority)
+            fork_of = children[0][0] if index else None  # share sample 0's prompt KV
+            request = AddRequest(cid, prompt_ids, params, [], message.priority, fork_of)
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
             stops = (
                 StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None

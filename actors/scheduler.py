@@ -68,6 +68,7 @@ class Request:
         "swapped",
         "cached_tokens",
         "prompt_logprobs",
+        "fork_of",
     )
 
     def __init__(self, message: AddRequest, eos_token_ids: list[int], arrival: int):
@@ -81,6 +82,8 @@ class Request:
         self.told_block_manager = 0  # tokens of token_ids the BlockManager has seen
         self.swapped = False  # KV waits in CPU blocks; num_computed stays valid
         self.cached_tokens: int | None = None  # set when first admitted
+        # sample i > 0 of an n > 1 request, waiting to share sample 0's prompt KV
+        self.fork_of = message.fork_of if not message.output_token_ids else None
         # prompt logprobs gathered over prefill chunks, sent with the first output (None: not
         # asked, or already sent). Entry 0 (the first prompt token) is always None.
         wants = message.params.prompt_logprobs is not None and not message.output_token_ids
@@ -248,6 +251,14 @@ class Scheduler(Actor):
         for request in self.waiting:
             if seats <= 0 or budget <= 0 or offered >= cap:
                 break
+            if request.fork_of is not None:
+                need = self._fork_need(request)
+                if need is None:
+                    continue  # its sample 0 has not computed the prompt yet
+                needs.append(need)
+                pending[request.request_id] = request
+                seats -= 1
+                continue
             count = len(request.token_ids) - request.num_computed
             needs.append(self._need(request, count, True))
             pending[request.request_id] = request
@@ -275,6 +286,23 @@ class Scheduler(Actor):
             is_new and request.prompt_logprobs is not None,  # computes its whole prompt
         )
 
+    def _fork_need(self, request: Request) -> BlockNeed | None:
+        """A forked sample shares its sample 0's prompt KV (copy-on-write of the partial last
+        block) and recomputes only the last prompt token, for its own first draw."""
+        parent = self.running.get(request.fork_of)
+        if parent is None:
+            if request.fork_of not in self.requests:  # sample 0 is gone: compute the prompt
+                request.fork_of = None
+                return self._need(request, len(request.token_ids), True)
+            return None
+        if parent.num_computed < request.num_prompt_tokens:
+            return None
+        request.told_block_manager = len(request.token_ids)
+        shared = request.num_prompt_tokens - 1
+        return BlockNeed(
+            request.request_id, shared, 1, True, list(request.token_ids), fork_of=parent.request_id
+        )
+
     def _make_seats(self) -> None:
         """Waiting requests of higher priority displace the lowest-priority running ones."""
         while self.waiting and len(self.running) >= self.config.max_num_seqs:
@@ -296,7 +324,14 @@ class Scheduler(Actor):
                 if rid in self.requests:  # else aborted while the allocation was on its way
                     self._preempt(self.requests[rid], swapped)
         plan = StepPlan(
-            self.epoch, self.step_id, self.removed, [], [], message.swap_out, message.swap_in
+            self.epoch,
+            self.step_id,
+            self.removed,
+            [],
+            [],
+            message.swap_out,
+            message.swap_in,
+            message.copies,
         )
         self.removed = []
         in_flight: list[tuple[Request, int]] = []
@@ -315,6 +350,7 @@ class Scheduler(Actor):
                 self.running[request.request_id] = request
                 if request.cached_tokens is None:
                     request.cached_tokens = grant.num_computed
+                request.fork_of = None
                 request.swapped = False
                 request.num_computed = grant.num_computed
             self.worker_knows.add(request.request_id)

@@ -22,6 +22,7 @@ class BlockNeed(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     is_new: bool  # waiting -> running: may be denied, never preempts others
     token_ids: list[int]
     no_prefix_hits: bool = False
+    fork_of: str | None = None  # share this running request's blocks (copy-on-write)
 
 
 class AllocateStep(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -58,6 +59,7 @@ class Allocation(msgspec.Struct, tag=True, array_like=True, gc=False, omit_defau
     swapped: list[str] = []  # KV moved to CPU: resume where they were when re-admitted
     swap_out: list[tuple[int, int]] = []  # (gpu block, cpu block) to copy before the step
     swap_in: list[tuple[int, int]] = []  # (cpu block, gpu block) to copy after swap_out
+    copies: list[tuple[int, int]] = []  # (src, dst) device blocks: copy-on-write of forks
 
 
 class FreeBlocks(msgspec.Struct, tag=True, array_like=True):

@@ -84,6 +84,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     num_partial_prefills: int = 0  # steps that computed part of a prompt, not all of it
     num_swaps: int = 0  # preemptions that moved KV to CPU instead of dropping it
     num_recomputed_tokens: int = 0  # computed KV that recompute preemptions threw away
+    num_forks: int = 0  # samples i > 0 of n > 1 requests that shared sample 0's prompt blocks
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     prompt_tokens: int = 0

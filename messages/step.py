@@ -22,6 +22,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     params: SamplingParams
     output_token_ids: list[int] = []
     priority: int = 0
+    fork_of: str | None = None  # sample i > 0 of an n > 1 request: share sample 0's prompt KV
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -77,6 +78,7 @@ class StepPlan(msgspec.Struct, tag=True, array_like=True, gc=False, omit_default
     new: list[NewRequest]
     swap_out: list[tuple[int, int]] = []  # (gpu block, cpu block), copied before swap_in
     swap_in: list[tuple[int, int]] = []  # (cpu block, gpu block), copied before the forward
+    copies: list[tuple[int, int]] = []  # (src, dst) device blocks, copied after the swaps
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):

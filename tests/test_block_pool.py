@@ -154,7 +154,7 @@ def test_swap_out_and_back_in_keeps_the_request_and_its_computed_tokens():
         st.tuples(
             st.sampled_from("abcdef"),
             st.integers(1, 70),
-            st.sampled_from(["step", "step", "finish"]),
+            st.sampled_from(["step", "step", "finish", "fork"]),
             st.integers(0, 3),
         ),
         max_size=50,
@@ -162,7 +162,7 @@ def test_swap_out_and_back_in_keeps_the_request_and_its_computed_tokens():
     st.booleans(),
 )
 def test_random_steps_keep_the_pool_consistent_and_everything_comes_back(ops, swap):
-    """Allocate, append, cache hits, preempt (recompute or swap), swap back in, free."""
+    """Allocate, append, cache hits, fork, preempt (recompute or swap), swap back in, free."""
     pool = BlockPool(14, 8, num_cpu_blocks=10, swap=swap)
     prefixes = [[7] * 24, [8] * 16, [9] * 5, []]
     state: dict[str, list[int]] = {}  # running: [computed, tokens the pool knows]
@@ -182,8 +182,14 @@ def test_random_steps_keep_the_pool_consistent_and_everything_comes_back(ops, sw
             waiting.pop(rid, None)
             consistent(pool)
             continue
+        parents = [r for r, (c, _) in state.items() if c >= 2 and r != rid]
+        if op == "fork" and (rid in state or rid in waiting or rid in pool.tables or not parents):
+            op = "step"
         needs = [step_need(r, 1) for r in state if r != rid]
-        if rid in state:
+        if op == "fork":
+            computed = state[parents[0]][0]
+            needs.append(BlockNeed(rid, computed - 1, 1, True, [1] * computed, fork_of=parents[0]))
+        elif rid in state:
             needs.append(step_need(rid, grow))
         elif rid in waiting:
             total, kept = waiting[rid]
@@ -210,3 +216,36 @@ def test_random_steps_keep_the_pool_consistent_and_everything_comes_back(ops, sw
         pool.free(rid)
     assert pool.num_free == 14 and pool.num_cpu_free == 10
     consistent(pool)
+
+
+def test_a_fork_shares_full_blocks_and_copies_the_partial_one_on_write():
+    pool = BlockPool(10, BS)
+    prompt = list(range(300, 340))  # 40 tokens: blocks 0, 1 full, block 2 partial
+    parent = pool.allocate_step([new("p", prompt)]).granted[0].block_ids
+    fork = BlockNeed("c", 39, 1, True, prompt, fork_of="p")
+    out = pool.allocate_step([running("p", 40, 1, [7]), fork])
+    child = out.granted[1]
+    assert child.num_computed == 39 and child.num_new_tokens == 1
+    assert child.block_ids[:2] == parent[:2] and child.block_ids[2] != parent[2]
+    assert out.copies == [(parent[2], child.block_ids[2])]
+    assert [pool.blocks[b].ref_count for b in parent] == [2, 2, 1]
+    consistent(pool)
+    pool.free("p")
+    assert [pool.blocks[b].ref_count for b in child.block_ids] == [1, 1, 1]
+    consistent(pool)
+
+
+def test_a_fork_at_a_block_boundary_copies_nothing():
+    pool = BlockPool(10, BS)
+    prompt = list(range(400, 433))  # 33 tokens: the fork shares 32, writes a block of its own
+    pool.allocate_step([new("p", prompt)])
+    out = pool.allocate_step([BlockNeed("c", 32, 1, True, prompt, fork_of="p")])
+    assert out.copies == [] and len(out.granted[0].block_ids) == 3
+    assert out.granted[0].block_ids[:2] == pool.tables["p"][:2]
+    consistent(pool)
+
+
+def test_a_fork_whose_sample_0_is_gone_waits():
+    pool = BlockPool(10, BS)
+    out = pool.allocate_step([BlockNeed("c", 10, 1, True, list(range(11)), fork_of="gone")])
+    assert out.denied == ["c"] and "c" not in pool.tables

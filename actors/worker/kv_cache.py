@@ -51,6 +51,12 @@ class KVCache:
     ) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks (src, dst) in every layer: copy-on-write of forked samples. Runs on
+        the current (compute) stream, after the swaps and before the forward."""
+        if pairs:
+            _copy_blocks(self.layers, pairs)
+
     def swap(
         self,
         swap_out: list[tuple[int, int]],
@@ -77,6 +83,13 @@ class KVCache:
             done = torch.cuda.Event()
             done.record(stream)
             torch.cuda.current_stream(self.device).wait_event(done)
+
+
+def _copy_blocks(layers, pairs: list[tuple[int, int]]) -> None:
+    src, dst = _index(pairs)
+    for k, v in layers:
+        for cache in (k, v):
+            cache.index_copy_(0, dst.to(cache.device), cache.index_select(0, src.to(cache.device)))
 
 
 def _index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

