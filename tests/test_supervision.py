@@ -159,7 +159,8 @@ def test_past_the_restart_budget_the_engine_stops_nonzero_and_clients_get_errors
 def test_sigterm_finishes_in_flight_streams_refuses_new_ones_and_exits_zero(llama_dir):
     server = EngineServer(llama_dir)
     prompts = prompts_of_lengths(llama_dir, [20, 60, 100])
-    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    # Long enough that the three streams are still running when the new request arrives.
+    params = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
 
     async def run():
         async with AsyncClient(server.address, timeout_s=60) as client:
@@ -170,14 +171,14 @@ def test_sigterm_finishes_in_flight_streams_refuses_new_ones_and_exits_zero(llam
             streams = [asyncio.create_task(one(p)) for p in prompts]
             await asyncio.sleep(0.3)
             server.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)
             with pytest.raises(EngineError, match="shutting down") as refused:
                 await one(prompts[0])
             return await asyncio.gather(*streams), refused.value.code
 
     try:
         outputs, code = asyncio.run(run())
-        assert [len(o) for o in outputs] == [150, 150, 150] and code == "unavailable"
+        assert [len(o) for o in outputs] == [600, 600, 600] and code == "unavailable"
         assert server.proc.wait(60) == 0
     finally:
         server.stop()
