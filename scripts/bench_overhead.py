@@ -1,0 +1,369 @@
+"""Overhead: per step, the model's time against everything else; and the message round trip.
+
+    python scripts/bench_overhead.py [--model demo] [--num-requests 64] [--json PATH]
+
+1. Step breakdown, on the real actor processes: the offline API runs `--num-requests` requests
+   (random-token prompts of 16-512 tokens, `--output-len` tokens each, ignore_eos) with the
+   Worker tracing its steps (ACTORSERVE_STEP_TRACE, actors/worker/runner.py). Over the decode
+   steps that run all `--num-requests` requests, each step's period (one step start to the next)
+   is split into: decoder forward and lm_head (the model), input preparation (applying the
+   StepPlan to the persistent batch, flat inputs), sampling and bookkeeping, and the time outside
+   the Worker's step (StepResult out, the Scheduler's stop checks and TokensOut, the next plan,
+   the BlockManager round trip, StepPlan in: scheduling, block allocation, messages).
+2. Message round trip over ipc://, two processes on uvloop + zmq.asyncio like the actors: a
+   StepPlan of N requests encoded, sent, decoded by the other side, answered with the StepResult
+   of N tokens, decoded. The delta plan (N RunningUpdates, the steady state) and a full one
+   (N NewRequests with their prompts) are measured, and an empty message as the floor; then the
+   same with plain blocking zmq calls on both ends, which shows what the event loops add.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_common as bc  # noqa: E402
+
+# -- 1. step breakdown ------------------------------------------------------------------------
+
+
+def trace_steps(model_dir: Path, args) -> list[dict]:
+    import json
+
+    from actorserve import LLM, SamplingParams
+
+    workload = bc.make_workload(
+        args.num_requests, args.seed, (16, args.max_prompt_len), (args.output_len,) * 2
+    )
+    with tempfile.TemporaryDirectory(prefix="actorserve-bench-") as tmp:
+        trace = Path(tmp) / "steps.jsonl"
+        previous = os.environ.get("ACTORSERVE_STEP_TRACE")
+        os.environ["ACTORSERVE_STEP_TRACE"] = str(trace)
+        try:
+            settings = dict(torch_threads=args.threads, max_num_seqs=args.num_requests)
+            with LLM(str(model_dir), **settings) as llm:
+                params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+                before, start = bc.process_cpu_seconds(), time.perf_counter()
+                llm.generate([r.prompt_ids for r in workload], params, use_tqdm=not args.quiet)
+                after, wall = bc.process_cpu_seconds(), time.perf_counter() - start
+        finally:
+            if previous is None:
+                os.environ.pop("ACTORSERVE_STEP_TRACE", None)
+            else:
+                os.environ["ACTORSERVE_STEP_TRACE"] = previous
+        steps = [json.loads(line) for line in trace.read_text().splitlines() if line]
+    cpu = [
+        {
+            "table": "cpu",
+            "process": name,
+            "cpu_s": after[name] - before.get(name, 0.0),
+            "cores": (after[name] - before.get(name, 0.0)) / wall,
+            "wall_s": wall,
+        }
+        for name in sorted(after, key=lambda n: -(after[n] - before.get(n, 0.0)))
+    ]
+    return steps, cpu
+
+
+def step_breakdown(steps: list[dict], batch: int) -> list[dict]:
+    """Rows of phase -> mean and p50 ms per step, share of the step, over full decode steps."""
+    periods = []
+    for step, following in zip(steps, steps[1:]):
+        if step["seqs"] == batch and step["tokens"] == batch and following["step"] > step["step"]:
+            periods.append((step, following["start"] - step["start"]))
+    if not periods:
+        raise SystemExit(f"no decode step ran {batch} requests; raise --output-len")
+    phases = {
+        "decoder forward": lambda s, p: s["forwarded"] - s["prepared"],
+        "lm_head (sampling rows only)": lambda s, p: s["logits"] - s["forwarded"],
+        "input preparation (plan -> flat inputs)": lambda s, p: s["prepared"] - s["start"],
+        "sampling + bookkeeping": lambda s, p: s["end"] - s["logits"],
+        "outside the worker step (scheduler, blocks, messages)": lambda s, p: (
+            p - (s["end"] - s["start"])
+        ),
+    }
+    total = statistics.fmean(p for _, p in periods)
+    rows = []
+    for name, f in phases.items():
+        values = [f(s, p) for s, p in periods]
+        mean = statistics.fmean(values)
+        rows.append(
+            {
+                "table": "step",
+                "phase": name,
+                "model": name in ("decoder forward", "lm_head (sampling rows only)"),
+                "mean_ms": mean * 1e3,
+                "p50_ms": bc.percentile(values, 50) * 1e3,
+                "share": mean / total,
+                "steps": len(periods),
+            }
+        )
+    model = sum(r["mean_ms"] for r in rows if r["model"])
+    rows.append(
+        {
+            "table": "step",
+            "phase": "non-model (all but the two model rows)",
+            "mean_ms": total * 1e3 - model,
+            "p50_ms": None,
+            "share": 1 - model / (total * 1e3),
+            "steps": len(periods),
+        }
+    )
+    rows.append(
+        {
+            "table": "step",
+            "phase": f"step period ({batch} decodes)",
+            "mean_ms": total * 1e3,
+            "p50_ms": bc.percentile([p for _, p in periods], 50) * 1e3,
+            "share": 1.0,
+            "steps": len(periods),
+        }
+    )
+    return rows
+
+
+# -- 2. message round trip --------------------------------------------------------------------
+
+
+def _plans(n: int, prompt_len: int):
+    from actorserve.messages.common import SamplingParams
+    from actorserve.messages.step import NewRequest, RunningUpdate, StepPlan, StepResult
+
+    ids = [f"req-{i:032x}" for i in range(n)]  # the Engine's ids are uuid-sized
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    delta = StepPlan(7, 1, [], [RunningUpdate(r, [], 1) for r in ids], [])
+    full = StepPlan(
+        7,
+        1,
+        [],
+        [],
+        [
+            NewRequest(r, list(range(1000, 1000 + prompt_len)), prompt_len,
+                       list(range(i * 32, i * 32 + prompt_len // 16 + 1)), prompt_len, params)
+            for i, r in enumerate(ids)
+        ],
+    )  # fmt: skip
+    result = StepResult(7, 1, ids, list(range(n)), forward_s=0.01)
+    return {"empty": StepPlan(7, 1, [], [], []), "delta": delta, "full": full}, result
+
+
+def _echo_main(inbox: str, outbox: str, n: int, prompt_len: int, mode: str) -> None:
+    """The Worker's side: decode each StepPlan with the Worker's decoder, answer a StepResult."""
+    import zmq
+    import zmq.asyncio
+
+    from actorserve.messages.codec import Decoder, WorkerInbox, encode
+
+    _, result = _plans(n, prompt_len)
+    empty_result = type(result)(7, 1, [], [])
+
+    if mode == "blocking":
+        ctx = zmq.Context()
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        pull.bind(inbox)
+        push.connect(outbox)
+        decoder = Decoder(WorkerInbox)
+        while (data := pull.recv(copy=False).bytes) != b"stop":
+            plan = decoder.decode(data)
+            push.send(encode(result if (plan.running or plan.new) else empty_result), copy=False)
+        pull.close(0)
+        push.close(0)
+        ctx.term()
+        return
+
+    async def serve() -> None:
+        ctx = zmq.asyncio.Context()
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(inbox)
+        push = zmq.Context.shadow(ctx.underlying).socket(zmq.PUSH)
+        push.connect(outbox)
+        decoder = Decoder(WorkerInbox)
+        while True:
+            data = await pull.recv(copy=False)
+            if data.bytes == b"stop":
+                break
+            plan = decoder.decode(data.bytes)
+            reply = result if (plan.running or plan.new) else empty_result
+            push.send(encode(reply), copy=False)
+        pull.close(0)
+        push.close(0)
+        ctx.term()
+
+    _run_loop(serve())
+
+
+def _run_loop(coro) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:
+        asyncio.run(coro)
+
+
+def ipc_round_trips(n: int, prompt_len: int, iterations: int, mode: str) -> list[dict]:
+    """mode `asyncio`: both ends on uvloop + zmq.asyncio, as the actors; `blocking`: plain
+    blocking zmq calls on both ends (the transport and codec alone, for comparison)."""
+    import zmq
+    import zmq.asyncio
+
+    from actorserve.messages.codec import Decoder, SchedulerInbox, encode
+
+    plans, _ = _plans(n, prompt_len)
+    if mode == "blocking":
+        plans.pop("full")
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="actorserve-ipc-") as tmp:
+        inbox, outbox = f"ipc://{tmp}/worker.sock", f"ipc://{tmp}/scheduler.sock"
+        echo_command = [sys.executable, str(Path(__file__).resolve()), "--echo-server"]
+        echo_command += [inbox, outbox, str(n), str(prompt_len), mode]
+        echo = None
+
+        async def measure() -> None:
+            nonlocal echo
+            blocking = mode == "blocking"
+            ctx = zmq.Context() if blocking else zmq.asyncio.Context()
+            pull = ctx.socket(zmq.PULL)
+            pull.bind(outbox)
+            echo = subprocess.Popen(echo_command)
+            push = zmq.Context.shadow(ctx.underlying).socket(zmq.PUSH)
+            push.connect(inbox)
+            decoder = Decoder(SchedulerInbox)
+            for name, plan in plans.items():
+                samples = []
+                size = len(encode(plan))
+                for i in range(iterations + 50):
+                    start = time.perf_counter()
+                    push.send(encode(plan), copy=False)
+                    frame = pull.recv(copy=False) if blocking else await pull.recv(copy=False)
+                    reply = decoder.decode(frame.bytes)
+                    elapsed = time.perf_counter() - start
+                    assert reply.step_id == 1
+                    if i >= 50:  # warm-up
+                        samples.append(elapsed)
+                label = f"StepPlan {name}" + ("" if name == "empty" else f", {n} reqs")
+                rows.append(
+                    {
+                        "table": "ipc",
+                        "message": f"{label} ({mode})",
+                        "mode": mode,
+                        "bytes": size,
+                        "p50_us": bc.percentile(samples, 50) * 1e6,
+                        "p99_us": bc.percentile(samples, 99) * 1e6,
+                        "mean_us": statistics.fmean(samples) * 1e6,
+                        "iterations": iterations,
+                    }
+                )
+            push.send(b"stop")
+            pull.close(0)
+            push.close(linger=1000)
+            ctx.term()
+
+        try:
+            _run_loop(measure())
+        finally:
+            if echo is not None:
+                try:
+                    echo.wait(10)
+                except subprocess.TimeoutExpired:
+                    echo.kill()
+    return rows
+
+
+STEP_COLUMNS = [
+    bc.Column("phase", "phase"),
+    bc.Column("mean_ms", "mean ms/step", "{:.2f}"),
+    bc.Column("p50_ms", "p50 ms", "{:.2f}"),
+    bc.Column("share", "share of step", "{:.1%}"),
+]
+CPU_COLUMNS = [
+    bc.Column("process", "process"),
+    bc.Column("cpu_s", "CPU s", "{:.2f}"),
+    bc.Column("cores", "cores busy (CPU s / wall s)", "{:.2f}"),
+]
+IPC_COLUMNS = [
+    bc.Column("message", "round trip (-> StepResult back)"),
+    bc.Column("bytes", "plan bytes", "{:d}"),
+    bc.Column("p50_us", "p50 us", "{:.0f}"),
+    bc.Column("p99_us", "p99 us", "{:.0f}"),
+    bc.Column("mean_us", "mean us", "{:.0f}"),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--echo-server"]:  # the other end of the ipc round trip (a subprocess)
+        inbox, outbox, n, prompt_len, mode = argv[1:6]
+        _echo_main(inbox, outbox, int(n), int(prompt_len), mode)
+        return 0
+    parser = argparse.ArgumentParser(prog="bench_overhead", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="demo", help="checkpoint kind or directory")
+    parser.add_argument("--num-requests", type=int, default=64, help="the batch (default 64)")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-prompt-len", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ipc-iterations", type=int, default=2000)
+    parser.add_argument("--skip-steps", action="store_true", help="only the ipc round trip")
+    parser.add_argument("--skip-ipc", action="store_true", help="only the step breakdown")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    bc.add_common_flags(parser)
+    args = parser.parse_args(argv)
+    args.threads = args.threads or bc.default_threads()
+    machine = bc.machine_line(args.threads)
+    rows: list[dict] = []
+    out = []
+    if not args.skip_steps:
+        model_dir = bc.resolve_model(args.model)
+        steps, cpu_rows = trace_steps(model_dir, args)
+        step_rows = step_breakdown(steps, args.num_requests)
+        for row in step_rows:
+            row["model_name"] = bc.model_label(args.model)
+        rows += step_rows
+        out.append(
+            bc.format_table(
+                step_rows,
+                STEP_COLUMNS,
+                title=f"Step time, {bc.model_label(args.model)}, {args.num_requests} running "
+                f"requests decoding ({step_rows[0]['steps']} steps):",
+            )
+        )
+        rows += cpu_rows
+        out.append(
+            bc.format_table(
+                cpu_rows,
+                CPU_COLUMNS,
+                title=f"CPU time by process over the whole run ({cpu_rows[0]['wall_s']:.1f} s "
+                f"wall; driver = this script: the offline API's client and the supervisor):",
+            )
+        )
+    if not args.skip_ipc:
+        ipc_rows = []
+        for mode in ("asyncio", "blocking"):
+            ipc_rows += ipc_round_trips(args.num_requests, 256, args.ipc_iterations, mode)
+        rows += ipc_rows
+        out.append(
+            bc.format_table(
+                ipc_rows,
+                IPC_COLUMNS,
+                title=f"ipc:// round trip, StepPlan out and StepResult of {args.num_requests} "
+                f"tokens back ({args.ipc_iterations} each; full plan = prompts of 256 tokens):",
+            )
+        )
+    print()
+    print("\n\n".join(out))
+    print(f"\nMachine: {machine}; load after the run {bc.load_average():.2f}.")
+    bc.write_json(args.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

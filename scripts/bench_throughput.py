@@ -1,0 +1,368 @@
+"""Offline throughput: actorserve against Hugging Face transformers, same checkpoint, same workload,
+one run, one machine.
+
+    python scripts/bench_throughput.py [--model demo llama-125m] [--num-requests N] [--json PATH]
+
+Default: both checkpoints, 64 requests on the demo one and 8 on llama-125m (~30x the work per
+token), all three backends; ~5 minutes on 2 quiet cores.
+
+The workload is nano-vllm's bench (bench_common.make_workload): random token-id prompts of 16-512
+tokens and outputs of 16-256 tokens, ignore_eos, greedy. It runs
+
+  actorserve   the real actor processes through the offline API, LLM(...).generate(...)
+  hf-static    transformers `generate`, static batches of 16 in arrival order, left padding,
+               max_new_tokens = min_new_tokens = the batch's longest output
+  hf-cb        transformers continuous batching (the manager behind `generate_batch`), with each
+               request's own max_new_tokens (`generate_batch` takes one for all, so the script
+               adds the requests to the same manager itself with `add_request`)
+
+each in a fresh Python process (the workload is rebuilt there from the seed), and prints wall
+time, output and total tokens/s, actorserve's speed-up over each, and the fraction
+of the fp32 GEMM roofline: the workload's matmul work (bench_common.matmul_flops) / wall time /
+the best torch.mm FLOP/s measured on the model's own shapes in this run, same thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_common as bc  # noqa: E402
+
+BACKENDS = ("actorserve", "hf-static", "hf-cb")
+# The 125M checkpoint is ~30x the matmul work per token: fewer requests keep the default run (both
+# checkpoints, all three backends) under ~10 minutes on 2 cores.
+DEFAULT_REQUESTS = {"demo": 64, "llama-125m": 8}
+
+
+def run_actorserve(model_dir: Path, workload: list[bc.Request], args) -> dict:
+    from actorserve import LLM, SamplingParams
+
+    settings = dict(torch_threads=args.threads)
+    if args.max_num_seqs:
+        settings["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens:
+        settings["max_num_batched_tokens"] = args.max_num_batched_tokens
+    params = [
+        SamplingParams(temperature=args.temperature, max_tokens=r.output_len, ignore_eos=True)
+        for r in workload
+    ]
+    with LLM(str(model_dir), **settings) as llm:
+        warm = [[7 + i] * 32 for i in range(4)]  # shares no prefix with the workload
+        llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), False)
+        start = time.perf_counter()
+        outputs = llm.generate([r.prompt_ids for r in workload], params, use_tqdm=not args.quiet)
+        wall = time.perf_counter() - start
+    got = [len(o.token_ids) for o in outputs]
+    short = sum(1 for o, r in zip(got, workload) if o != r.output_len)
+    if short:
+        print(f"actorserve: {short} requests did not return their full output", file=sys.stderr)
+    return {"wall_s": wall, "output_tokens": sum(got), "tokens": [o.token_ids for o in outputs]}
+
+
+def _hf_model(model_dir: Path, threads: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return model.eval()
+
+
+def run_hf_static(model_dir: Path, workload: list[bc.Request], args) -> dict:
+    import torch
+
+    model = _hf_model(model_dir, args.threads)
+    pad = 0
+    bs = args.hf_batch_size
+    sample = dict(do_sample=args.temperature > 0, pad_token_id=pad)
+    if args.hf_cache != "dynamic":
+        sample["cache_implementation"] = args.hf_cache
+    if args.temperature > 0:
+        sample.update(temperature=args.temperature, top_k=0, top_p=1.0)
+
+    def batch_inputs(batch: list[bc.Request]):
+        width = max(len(r.prompt_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids) :] = 1
+        return ids, mask
+
+    def run(batch: list[bc.Request]) -> list[list[int]]:
+        ids, mask = batch_inputs(batch)
+        n = max(r.output_len for r in batch)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, **sample
+            )
+        width = ids.shape[1]
+        return [out[i, width : width + r.output_len].tolist() for i, r in enumerate(batch)]
+
+    run([bc.Request([7] * 32, 4), bc.Request([8] * 32, 4)])  # warm-up
+    tokens: list[list[int]] = []
+    generated = 0
+    start = time.perf_counter()
+    for i in range(0, len(workload), bs):
+        batch = workload[i : i + bs]
+        tokens.extend(run(batch))
+        generated += len(batch) * max(r.output_len for r in batch)
+    wall = time.perf_counter() - start
+    gc.collect()
+    return {
+        "wall_s": wall,
+        "output_tokens": sum(r.output_len for r in workload),
+        "generated_tokens": generated,
+        "tokens": tokens,
+    }
+
+
+def run_hf_cb(model_dir: Path, workload: list[bc.Request], args) -> dict:
+    import torch
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    # The manager computes on a thread of its own. Load with one thread, so that this main thread
+    # never starts an OpenMP team of its own (two teams of 2 threads on 2 cores make libgomp stop
+    # spin-waiting, which slows every op of the generation thread); the generation thread then
+    # picks up `threads`.
+    model = _hf_model(model_dir, 1)
+    torch.set_num_threads(args.threads)
+    max_out = max(r.output_len for r in workload)
+    gen = GenerationConfig(
+        max_new_tokens=max_out,
+        do_sample=args.temperature > 0,
+        eos_token_id=-1,  # ignore_eos
+        pad_token_id=0,
+        **({"temperature": args.temperature, "top_k": 0, "top_p": 1.0} if args.temperature else {}),
+    )
+    page = 256
+    cb = ContinuousBatchingConfig(
+        page_size=page,
+        # the same limits as the engine's defaults, and room for the whole workload at once
+        max_batch_tokens=args.max_num_batched_tokens or 2048,
+        max_requests_per_batch=args.max_num_seqs or 64,
+        num_blocks=sum(math.ceil((len(r.prompt_ids) + r.output_len) / page) for r in workload) + 4,
+    )
+    hints = WorkloadHints(max(len(r.prompt_ids) for r in workload), max_out, len(workload))
+    with (
+        torch.inference_mode(),
+        model.continuous_batching_context_manager(
+            generation_config=gen, continuous_batching_config=cb, workload_hints=hints
+        ) as manager,
+    ):
+        start = time.perf_counter()
+        ids = [
+            manager.add_request(r.prompt_ids, max_new_tokens=r.output_len, eos_token_id=-1)
+            for r in workload
+        ]
+        done: dict[str, list[int]] = {}
+        while len(done) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done[result.request_id] = list(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching loop stopped")
+        wall = time.perf_counter() - start
+    tokens = [done[i] for i in ids]
+    gc.collect()
+    return {"wall_s": wall, "output_tokens": sum(len(t) for t in tokens), "tokens": tokens}
+
+
+RUNNERS = {"actorserve": run_actorserve, "hf-static": run_hf_static, "hf-cb": run_hf_cb}
+CHILD_FLAG = "--child-result"  # internal: run one backend in this process, write its result
+
+
+def run_isolated(backend: str, name: str, num_requests: int, args) -> dict:
+    """Run one backend in a fresh Python process (its own threads, allocator and OpenMP teams,
+    nothing left over from the runs before it); the same workload is rebuilt there from the
+    seed."""
+    with tempfile.TemporaryDirectory(prefix="actorserve-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        command = [sys.executable, str(Path(__file__).resolve()), "--model", name]
+        command += [
+            "--backends",
+            backend,
+            "--num-requests",
+            str(num_requests),
+            CHILD_FLAG,
+            str(out),
+        ]
+        for flag in (
+            "seed", "min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len",
+            "temperature", "hf_batch_size", "hf_cache", "max_num_seqs",
+            "max_num_batched_tokens", "threads",
+        ):  # fmt: skip
+            value = getattr(args, flag)
+            if value is not None:
+                command += ["--" + flag.replace("_", "-"), str(value)]
+        if args.quiet:
+            command.append("--quiet")
+        subprocess.run(command, check=True)
+        return json.loads(out.read_text())
+
+
+COLUMNS = [
+    bc.Column("model", "model"),
+    bc.Column("backend", "backend"),
+    bc.Column("requests", "requests", "{:d}"),
+    bc.Column("wall_s", "wall s", "{:.2f}"),
+    bc.Column("output_tok_s", "output tok/s", "{:.0f}"),
+    bc.Column("total_tok_s", "total tok/s", "{:.0f}"),
+    bc.Column("actorserve_speedup", "actorserve x", "{:.2f}"),
+    bc.Column("matmul_gflop_s", "matmul GFLOP/s", "{:.1f}"),
+    bc.Column("roofline_fraction", "of roofline", "{:.1%}"),
+    bc.Column("greedy_match", "same tokens", "{:.0%}"),
+]
+
+
+def bench_model(name: str, args) -> list[dict]:
+    model_dir = bc.resolve_model(name)
+    shape = bc.ModelShape.read(model_dir)
+    n = args.num_requests or DEFAULT_REQUESTS.get(bc.model_label(name), 64)
+    workload = bc.make_workload(
+        n,
+        args.seed,
+        (args.min_prompt_len, args.max_prompt_len),
+        (args.min_output_len, args.max_output_len),
+        shape.vocab,
+    )
+    gemm = bc.measure_gemm_flops(shape.gemm_shapes(), args.threads)
+    work = bc.matmul_flops(shape, workload)
+    prompt_tokens = sum(len(r.prompt_ids) for r in workload)
+    print(
+        f"{bc.model_label(name)}: {n} requests, {prompt_tokens} prompt + "
+        f"{sum(r.output_len for r in workload)} output tokens, {work / 1e9:.0f} GFLOP of matmul; "
+        f"fp32 GEMM peak {gemm['peak'] / 1e9:.0f} GFLOP/s "
+        f"({', '.join(f'{k} {v / 1e9:.0f}' for k, v in gemm.items() if k != 'peak')})",
+        flush=True,
+    )
+    rows = []
+    results = {}
+    for backend in args.backends:
+        print(f"  running {backend} ...", flush=True)
+        result = run_isolated(backend, name, n, args)
+        results[backend] = result
+        wall = result["wall_s"]
+        rows.append(
+            {
+                "model": bc.model_label(name),
+                "backend": backend,
+                "requests": n,
+                "prompt_tokens": prompt_tokens,
+                "output_tokens": result["output_tokens"],
+                "wall_s": wall,
+                "output_tok_s": result["output_tokens"] / wall,
+                "total_tok_s": (prompt_tokens + result["output_tokens"]) / wall,
+                "matmul_gflop": work / 1e9,
+                "matmul_gflop_s": work / wall / 1e9,
+                "gemm_peak_gflop_s": gemm["peak"] / 1e9,
+                "roofline_fraction": work / wall / gemm["peak"],
+                "threads": args.threads,
+            }
+        )
+        print(f"  {backend}: {wall:.2f} s", flush=True)
+    base = next((r for r in rows if r["backend"] == "actorserve"), None)
+    reference = results.get("hf-static") or results.get("hf-cb")
+    for row in rows:
+        if base and row["output_tok_s"] > 0:
+            row["actorserve_speedup"] = base["output_tok_s"] / row["output_tok_s"]
+        if reference is not None and args.temperature == 0:
+            mine = results[row["backend"]]["tokens"]
+            same = sum(a == b for a, b in zip(mine, reference["tokens"]))
+            row["greedy_match"] = same / len(workload)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_throughput", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model",
+        nargs="+",
+        default=list(bc.CHECKPOINT_KINDS),
+        help=f"checkpoint kinds ({', '.join(bc.CHECKPOINT_KINDS)}) or directories "
+        "(default: both kinds)",
+    )
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help=f"default {DEFAULT_REQUESTS['demo']} (llama-125m: {DEFAULT_REQUESTS['llama-125m']})",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-prompt-len", type=int, default=16)
+    parser.add_argument("--max-prompt-len", type=int, default=512)
+    parser.add_argument("--min-output-len", type=int, default=16)
+    parser.add_argument("--max-output-len", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated")
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--hf-cache",
+        default="dynamic",
+        choices=["dynamic", "static"],
+        help="KV cache of hf-static's generate (default: transformers' default, dynamic)",
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    bc.add_common_flags(parser)
+    parser.add_argument(CHILD_FLAG, dest="child_result", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.threads = args.threads or bc.default_threads()
+    if args.child_result:  # one backend, one model, in this (fresh) process
+        model_dir = bc.resolve_model(args.model[0])
+        shape = bc.ModelShape.read(model_dir)
+        workload = bc.make_workload(
+            args.num_requests,
+            args.seed,
+            (args.min_prompt_len, args.max_prompt_len),
+            (args.min_output_len, args.max_output_len),
+            shape.vocab,
+        )
+        result = RUNNERS[args.backends.split(",")[0]](model_dir, workload, args)
+        Path(args.child_result).write_text(json.dumps(result))
+        return 0
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = set(args.backends) - set(BACKENDS)
+    if unknown:
+        parser.error(f"--backends: unknown {sorted(unknown)}; known: {', '.join(BACKENDS)}")
+    machine = bc.machine_line(args.threads)
+    rows = []
+    for name in args.model:
+        rows.extend(bench_model(name, args))
+    notes = [
+        "",
+        f"Machine: {machine}; load after the run {bc.load_average():.2f}.",
+        "Workload: nano-vllm style, seed "
+        f"{args.seed}, random token-id prompts of {args.min_prompt_len}-{args.max_prompt_len} "
+        f"tokens, outputs of {args.min_output_len}-{args.max_output_len} tokens, ignore_eos, "
+        f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}; "
+        "wall time from submitting the first request to the last token (start-up and warm-up "
+        "excluded).",
+        "output tok/s counts each request's own requested output tokens; hf-static generates up "
+        "to its batch's longest output for every row, the rest is padding and not counted.",
+        "matmul GFLOP = 2 x decoder-layer params x (prompt tokens + output tokens - 1 per "
+        "request) + 2 x lm_head params x output tokens (attention and embedding left out); "
+        "roofline = the best fp32 torch.mm FLOP/s on the model's shapes, measured in the run.",
+        "actorserve x = actorserve's output tok/s / the row's; same tokens = requests whose "
+        "greedy tokens equal hf-static's.",
+    ]
+    print()
+    print(bc.format_table(rows, COLUMNS, notes=notes))
+    bc.write_json(args.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
