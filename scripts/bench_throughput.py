@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "request) + 2 x lm_head params x output tokens (attention and embedding left out); "
         "roofline = the best fp32 torch.mm FLOP/s on the model's shapes, measured in the run.",
         "actorserve x = actorserve's output tok/s / the row's; same tokens = requests whose "
-        "greedy tokens equal hf-static's.",
+        "greedy tokens equal the reference's (hf-static's, else hf-cb's).",
     ]
     print()
     print(bc.format_table(rows, COLUMNS, notes=notes))
