@@ -104,6 +104,8 @@ class Supervisor:
         self._ready_changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._outboxes: dict[str, zmq.Socket] = {}
+        self.ctx: zmq.asyncio.Context | None = None  # made by start()
+        self.mailbox: zmq.asyncio.Socket | None = None
 
     @property
     def client_address(self) -> str:
@@ -334,8 +336,9 @@ class Supervisor:
                     await self._wait_exit(actor, 5.0)
         for socket in self._outboxes.values():
             socket.close(linger=0)
-        self.mailbox.close(linger=0) if hasattr(self, "mailbox") else None
-        if hasattr(self, "ctx"):
+        if self.mailbox is not None:
+            self.mailbox.close(linger=0)
+        if self.ctx is not None:
             self.ctx.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)
         self._done.set()

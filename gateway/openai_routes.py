@@ -174,6 +174,15 @@ def usage_of(lasts: list[Delta]) -> Usage:
     return Usage.of(lasts[0].prompt_tokens, sum(d.completion_tokens for d in lasts))
 
 
+def closing_events(body, lasts: dict[int, Delta], chunk_type, rid: str, created: int, model: str):
+    """The end of an SSE stream: the usage chunk (when asked for and every choice finished),
+    then `data: [DONE]`."""
+    if body.include_usage and len(lasts) == body.n:
+        usage = usage_of([lasts[i] for i in range(body.n)])
+        yield sse(chunk_type(rid, [], created, model, usage=usage))
+    yield SSE_DONE
+
+
 def _names(gateway: Gateway):
     return token_names(gateway.chat.tokenizer if gateway.chat is not None else None)
 
@@ -233,10 +242,8 @@ async def completions(request: Request, gateway: Gateway) -> Response:
             yield sse(exc.body())
         finally:
             await rest.aclose()
-        if body.include_usage and len(lasts) == body.n:
-            usage = usage_of([lasts[i] for i in range(body.n)])
-            yield sse(CompletionChunk(rid, [], created, model, usage=usage))
-        yield SSE_DONE
+        for event in closing_events(body, lasts, CompletionChunk, rid, created, model):
+            yield event
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
@@ -303,10 +310,8 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
             yield sse(exc.body())
         finally:
             await rest.aclose()
-        if body.include_usage and len(lasts) == body.n:
-            usage = usage_of([lasts[i] for i in range(body.n)])
-            yield sse(ChatCompletionChunk(rid, [], created, model, usage=usage))
-        yield SSE_DONE
+        for event in closing_events(body, lasts, ChatCompletionChunk, rid, created, model):
+            yield event
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
