@@ -1,8 +1,9 @@
 """Paged attention and KV store behind one dispatch point: Triton on CUDA, torch on CPU.
 
-Backends: `triton` (kernels/paged_attention.py, store_kv.py), `cpu` (kernels/cpu.py: torch's fused
-CPU attention over the paged cache, the serving path on CPU), `reference` (kernels/reference.py:
-the plain torch oracle the others are tested against). `auto`: triton on CUDA, cpu elsewhere.
+Backends: `triton` (kernels/paged_attention.py, store_kv.py), `cpu` (kernels/cpu.py: a C decode
+kernel and torch's fused CPU attention over the paged cache, the serving path on CPU), `reference`
+(kernels/reference.py: the plain torch oracle the others are tested against). `auto`: triton on
+CUDA, cpu elsewhere.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def attention_ops(device: torch.device | str, backend: str = "auto") -> Attentio
     if backend == "cpu":
         from . import cpu
 
-        return AttentionOps("cpu", cpu.store_kv, cpu.paged_attention)
+        return AttentionOps("cpu", cpu.store_kv, cpu.CpuAttention().paged_attention)
     if backend == "reference":
         return AttentionOps("reference", reference.store_kv, reference.paged_attention)
     from . import paged_attention, store_kv  # Triton imports only where they are used

@@ -3,6 +3,8 @@ speed from torch's fused CPU attention (`scaled_dot_product_attention`, flash-st
 copying K/V per query head).
 
 What costs on CPU is memory traffic, not FLOPs: every decode reads its whole context. So:
+- decodes go to a small C kernel (kernels/cpu_decode.c) that reads K/V straight from the cache
+  blocks, once, where the machine has a C compiler; otherwise to the torch path below;
 - the step's layout (which rows decode, their blocks, masks) is worked out once per step and
   reused by every layer (the layers pass the same metadata; it is compared by content, which
   costs microseconds);
@@ -20,9 +22,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .reference import store_kv
 
-__all__ = ["paged_attention", "store_kv"]
+__all__ = ["CpuAttention", "store_kv"]
 
 DECODE_GROUP = 16  # decode rows per attention call (sorted by length, padded within the group)
 
@@ -47,20 +50,11 @@ class _Layout(NamedTuple):
     prefill: list[_Prefill]
 
 
-_cache: tuple[int, tuple[torch.Tensor, ...], _Layout] | None = None  # the last step's layout
-
-
 def _same(key: tuple[torch.Tensor, ...], tensors: tuple[torch.Tensor, ...]) -> bool:
     return all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(key, tensors))
 
 
-def _layout(block_tables, seq_lens, query_start_loc, block_size: int) -> _Layout:
-    global _cache
-    tensors = (block_tables, seq_lens, query_start_loc)
-    if _cache is not None and _cache[0] == block_size and _same(_cache[1], tensors):
-        return _cache[2]
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
+def _decode_groups(block_tables, lens, starts, block_size: int) -> list[_DecodeGroup]:
     device = block_tables.device
     decode_rows = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
     decode_rows.sort(key=lambda b: lens[b])
@@ -78,6 +72,11 @@ def _layout(block_tables, seq_lens, query_start_loc, block_size: int) -> _Layout
             mask = (positions < ctx.unsqueeze(1)).view(len(rows), 1, 1, -1)
         token_rows = torch.tensor([starts[b] for b in rows], device=device)
         groups.append(_DecodeGroup(token_rows, tables.reshape(-1), nb, mask))
+    return groups
+
+
+def _prefills(block_tables, lens, starts, block_size: int) -> list[_Prefill]:
+    device = block_tables.device
     prefills = []
     for b, context in enumerate(lens):
         n = starts[b + 1] - starts[b]
@@ -90,49 +89,91 @@ def _layout(block_tables, seq_lens, query_start_loc, block_size: int) -> _Layout
             mask = torch.arange(context, device=device).unsqueeze(0) <= q_pos
         blocks = block_tables[b, :nb].long()
         prefills.append(_Prefill(starts[b], starts[b + 1], blocks, context, mask))
-    layout = _Layout(groups, prefills)
-    _cache = (block_size, tuple(t.clone() for t in tensors), layout)
-    return layout
+    return prefills
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Same contract as kernels.reference.paged_attention."""
+class CpuAttention:
+    """The `cpu` backend's paged attention. Holds the last step's layout (every layer of a step
+    passes the same metadata) and, where the machine can build it, the C decode kernel
+    (kernels/cpu_decode.c via kernels/native.py): decodes then read K/V straight from the cache
+    blocks; without it they take the grouped torch path above. Prefill chunks always use torch's
+    SDPA (their cost is matmul work, which SDPA does well)."""
+
+    def __init__(self, use_native: bool = True) -> None:
+        self.native = native.load() if use_native else None
+        self._key: tuple[int, tuple[torch.Tensor, ...]] | None = None
+        self._layout = _Layout([], [])
+
+    def _step_layout(self, block_tables, seq_lens, query_start_loc, block_size: int) -> _Layout:
+        tensors = (block_tables, seq_lens, query_start_loc)
+        if self._key is not None and self._key[0] == block_size and _same(self._key[1], tensors):
+            return self._layout
+        starts = query_start_loc.tolist()
+        lens = seq_lens.tolist()
+        decode = [] if self.native else _decode_groups(block_tables, lens, starts, block_size)
+        self._layout = _Layout(decode, _prefills(block_tables, lens, starts, block_size))
+        self._key = (block_size, tuple(t.clone() for t in tensors))
+        return self._layout
+
+    def _native_decode(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+        """The C kernel fills `out`'s decode rows, or None when the inputs do not suit it."""
+        tensors = (q, k_cache, v_cache)
+        if self.native is None or any(t.dtype != torch.float32 for t in tensors):
+            return None
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return None
+        meta = [t.to(torch.int32).contiguous() for t in (block_tables, seq_lens, query_start_loc)]
+        out = torch.empty_like(q)
+        q = q.contiguous()
+        native.decode_attention(self.native, q, k_cache, v_cache, *meta, scale, out)
+        return out
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Same contract as kernels.reference.paged_attention."""
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        gqa = q.shape[1] != num_kv_heads
+        out = self._native_decode(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+        )
+        layout = self._step_layout(block_tables, seq_lens, query_start_loc, block_size)
+        if out is None:
+            out = torch.empty_like(q)
+            decode = layout.decode or _decode_groups(
+                block_tables, seq_lens.tolist(), query_start_loc.tolist(), block_size
+            )
+            for g in decode:
+                _grouped_decode(q, k_cache, v_cache, g, scale, gqa, out)
+        for p in layout.prefill:
+            k = k_cache.index_select(0, p.blocks).view(1, -1, num_kv_heads, head_dim)
+            v = v_cache.index_select(0, p.blocks).view(1, -1, num_kv_heads, head_dim)
+            k, v = k[:, : p.context].transpose(1, 2), v[:, : p.context].transpose(1, 2)
+            qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            o = F.scaled_dot_product_attention(
+                qp, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=gqa
+            )
+            out[p.start : p.end] = o[0].transpose(0, 1)
+        return out
+
+
+def _grouped_decode(q, k_cache, v_cache, g: _DecodeGroup, scale: float, gqa: bool, out) -> None:
+    """One group of decodes: K/V gathered block by block, padded to the group's longest context."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_heads = q.shape[1]
-    gqa = num_heads != num_kv_heads
-    layout = _layout(block_tables, seq_lens, query_start_loc, block_size)
-    out = torch.empty_like(q)
-    for g in layout.decode:
-        rows = g.token_rows.numel()
-        length = g.num_blocks * block_size
-        # [R * nb, bs, Hkv, D] -> [R, L, Hkv, D] -> strided view [R, Hkv, L, D]
-        k = k_cache.index_select(0, g.blocks).view(rows, length, num_kv_heads, head_dim)
-        v = v_cache.index_select(0, g.blocks).view(rows, length, num_kv_heads, head_dim)
-        qd = q.index_select(0, g.token_rows).unsqueeze(2)  # [R, Hq, 1, D]
-        o = F.scaled_dot_product_attention(
-            qd,
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=g.mask,
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        out.index_copy_(0, g.token_rows, o.squeeze(2))
-    for p in layout.prefill:
-        k = k_cache.index_select(0, p.blocks).view(1, -1, num_kv_heads, head_dim)
-        v = v_cache.index_select(0, p.blocks).view(1, -1, num_kv_heads, head_dim)
-        k, v = k[:, : p.context].transpose(1, 2), v[:, : p.context].transpose(1, 2)
-        qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        o = F.scaled_dot_product_attention(
-            qp, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=gqa
-        )
-        out[p.start : p.end] = o[0].transpose(0, 1)
-    return out
+    rows = g.token_rows.numel()
+    length = g.num_blocks * block_size
+    # [R * nb, bs, Hkv, D] -> [R, L, Hkv, D] -> strided view [R, Hkv, L, D]
+    k = k_cache.index_select(0, g.blocks).view(rows, length, num_kv_heads, head_dim)
+    v = v_cache.index_select(0, g.blocks).view(rows, length, num_kv_heads, head_dim)
+    qd = q.index_select(0, g.token_rows).unsqueeze(2)  # [R, Hq, 1, D]
+    o = F.scaled_dot_product_attention(
+        qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask, scale=scale, enable_gqa=gqa
+    )
+    out.index_copy_(0, g.token_rows, o.squeeze(2))

@@ -1,6 +1,8 @@
-"""The CPU serving kernel (kernels/cpu.py) against the torch reference: decodes grouped by length,
-prefill chunks with and without a cached prefix, GQA and MHA, block sizes, junk past a sequence's
-blocks, and the per-step layout it reuses across layers (and must not reuse across steps)."""
+"""The CPU serving kernels (kernels/cpu.py) against the torch reference, on both decode paths:
+the C kernel that reads the paged cache directly (kernels/cpu_decode.c) and the grouped torch
+path kept for machines without a compiler. Decodes of many lengths, prefill chunks with and
+without a cached prefix, GQA and MHA, head sizes, block sizes, junk past a sequence's blocks, and
+the per-step layout reused across layers (and not across steps)."""
 
 from __future__ import annotations
 
@@ -10,13 +12,22 @@ import pytest
 import torch
 from test_kernels import TOLERANCES, make_batch
 
-from actorserve.kernels import attention_ops, cpu, reference
+from actorserve.kernels import attention_ops, cpu, native, reference
+
+PATHS = [pytest.param(True, id="c-decode"), pytest.param(False, id="torch-decode")]
 
 
-def assert_matches(batch) -> None:
+@pytest.fixture(params=PATHS)
+def attention(request) -> cpu.CpuAttention:
+    ops = cpu.CpuAttention(use_native=request.param)
+    assert (ops.native is not None) == request.param, "the C kernel failed to build here"
+    return ops
+
+
+def assert_matches(attention: cpu.CpuAttention, batch) -> None:
     for _ in range(2):  # the second call reuses the cached layout
         torch.testing.assert_close(
-            cpu.paged_attention(*batch.args()),
+            attention.paged_attention(*batch.args()),
             reference.paged_attention(*batch.args()),
             **TOLERANCES[torch.float32],
         )
@@ -28,6 +39,7 @@ def assert_matches(batch) -> None:
         ([1, 1, 1, 1], [7, 33, 64, 100]),  # decodes, one group, padded
         ([1] * 4, [16, 32, 48, 64]),  # decodes ending on block boundaries
         ([1] * 3, [32, 32, 32]),  # nothing padded: no mask
+        ([1], [1]),  # a decode whose context is its own token
         ([12, 30, 17], [12, 30, 17]),  # first prefill chunks: plain causal
         ([24, 9], [64, 32]),  # later chunks over a cached prefix
         ([1, 20, 1, 7, 1], [50, 20, 9, 7, 130]),  # mixed
@@ -37,25 +49,48 @@ def assert_matches(batch) -> None:
     "heads", [dict(num_q_heads=4, num_kv_heads=2), dict(num_q_heads=4, num_kv_heads=4)]
 )
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_matches_reference(query_lens, seq_lens, heads, block_size):
-    assert_matches(make_batch(query_lens, seq_lens, block_size=block_size, **heads))
+def test_matches_reference(attention, query_lens, seq_lens, heads, block_size):
+    assert_matches(attention, make_batch(query_lens, seq_lens, block_size=block_size, **heads))
 
 
-def test_many_decodes_span_several_length_groups():
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_head_sizes(attention, head_dim):
+    batch = make_batch([1, 3, 1], [40, 19, 77], head_dim=head_dim, num_q_heads=8, num_kv_heads=2)
+    assert_matches(attention, batch)
+
+
+def test_many_decodes_span_several_length_groups(attention):
     rng = random.Random(0)
     lens = [rng.randint(1, 300) for _ in range(3 * cpu.DECODE_GROUP + 5)]
-    assert_matches(make_batch([1] * len(lens), lens, num_q_heads=6, num_kv_heads=2))
+    assert_matches(attention, make_batch([1] * len(lens), lens, num_q_heads=6, num_kv_heads=2))
 
 
-def test_a_new_step_with_other_metadata_is_not_served_the_old_layout():
+def test_a_new_step_with_other_metadata_is_not_served_the_old_layout(attention):
     a = make_batch([1, 1], [20, 40], seed=1)
     b = make_batch([1, 1], [40, 20], seed=1)  # same shapes and cache, lengths swapped
     for batch in (a, b, a):
         torch.testing.assert_close(
-            cpu.paged_attention(*batch.args()),
+            attention.paged_attention(*batch.args()),
             reference.paged_attention(*batch.args()),
             **TOLERANCES[torch.float32],
         )
+
+
+def test_half_precision_falls_back_to_the_torch_path():
+    batch = make_batch([1, 1, 5], [9, 40, 5], dtype=torch.bfloat16)
+    torch.testing.assert_close(
+        cpu.CpuAttention().paged_attention(*batch.args()),
+        reference.paged_attention(*batch.args()),
+        **TOLERANCES[torch.bfloat16],
+    )
+
+
+def test_the_kernel_library_is_cached_by_content(tmp_path, monkeypatch):
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    first = native.build()
+    assert first is not None and first.parent == tmp_path
+    assert native.build() == first  # a second build finds the first one
+    assert len(list(tmp_path.iterdir())) == 1
 
 
 def test_auto_picks_the_cpu_kernels_on_cpu():

@@ -1,0 +1,128 @@
+"""Build and load kernels/cpu_decode.c: CPU decode attention reading the paged cache directly.
+
+Built with the machine's C compiler on first use (under a second on gcc) into a per-user cache,
+named by a hash of the source, the flags, the compiler and the CPU, so a changed file or another
+machine never loads a stale library. The library is linked against the OpenMP runtime that torch
+already has loaded (libgomp.so.1 is matched by soname), so the kernel and torch share one thread
+pool. Where there is no compiler, or the build fails, `load()` returns None and kernels/cpu.py
+keeps its torch path; the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm")
+CACHE_ENV = "ACTORSERVE_KERNEL_CACHE"
+
+
+def cache_dir() -> Path:
+    """$ACTORSERVE_KERNEL_CACHE, else $XDG_CACHE_HOME/actorserve/kernels (~/.cache/...)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "actorserve" / "kernels"
+
+
+def _cpu_model() -> str:
+    """The first CPU's model name and feature flags (they decide what -march=native emits)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().split("\n\n", 1)[0].splitlines()
+    except OSError:
+        return platform.processor()
+    return "\n".join(line for line in lines if line.startswith(("model name", "flags")))
+
+
+def build() -> Path | None:
+    """Compile cpu_decode.c (or find it compiled) -> the library's path; None without a compiler.
+
+    Raises RuntimeError when the compiler fails."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or platform.system() != "Linux":
+        return None
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), *FLAGS, version, platform.machine(), _cpu_model()]).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"cpu_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, str(SOURCE), "-o", str(built), *FLAGS], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: concurrent builders each install a whole file
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library, or None (no compiler, a failed build, not Linux), said once."""
+    try:
+        path = build()
+        if path is None:
+            log.warning("no C compiler: CPU decode attention stays on the torch path")
+            return None
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("CPU decode kernel unavailable (%s): using the torch path", exc)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.decode_attention.restype = ctypes.c_int
+    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr] + [i64] * 5
+    lib.decode_attention.argtypes += [ctypes.c_float, ptr]
+    return lib
+
+
+def decode_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Fill out's rows of single-query sequences (see cpu_decode.c); other rows are untouched.
+
+    Takes fp32 CPU tensors; q, out, caches contiguous; the int32 metadata contiguous."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    status = lib.decode_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        query_start_loc.data_ptr(),
+        seq_lens.numel(),
+        block_size,
+        q.shape[1],
+        num_kv_heads,
+        head_dim,
+        scale,
+        out.data_ptr(),
+    )
+    if status != 0:
+        raise MemoryError("decode attention could not allocate its score buffer")
