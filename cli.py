@@ -39,6 +39,7 @@ ENGINE_FLAGS = [  # (flag, EngineConfig field, type)
     ("--restart-window-s", "restart_window_s", float),
     ("--drain-timeout-s", "drain_timeout_s", float),
     ("--enable-prefix-caching", "enable_prefix_caching", lambda v: v.lower() in ("1", "true")),
+    ("--async-scheduling", "async_scheduling", lambda v: v.lower() in ("1", "true")),
     ("--preemption-mode", "preemption_mode", str),
     ("--preemption-victim", "preemption_victim", str),
     ("--num-cpu-blocks", "num_cpu_blocks", int),

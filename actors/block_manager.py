@@ -51,7 +51,9 @@ class BlockManager(Actor):
     def on_allocate_step(self, message: AllocateStep) -> None:
         if message.epoch != self.epoch:
             return
-        out = self.pool.allocate_step(message.needs, message.new_token_budget)
+        out = self.pool.allocate_step(
+            message.needs, message.new_token_budget, overlapped=message.overlapped
+        )
         self.send(
             "scheduler",
             Allocation(

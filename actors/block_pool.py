@@ -174,8 +174,20 @@ class BlockPool:
 
     # -- one step --------------------------------------------------------------------------
 
-    def allocate_step(self, needs: list[BlockNeed], new_token_budget: int = 1 << 30) -> StepBlocks:
-        """Allocate for one step's needs, given in priority order; see `AllocateStep`."""
+    def allocate_step(
+        self, needs: list[BlockNeed], new_token_budget: int = 1 << 30, overlapped: bool = False
+    ) -> StepBlocks:
+        """Allocate for one step's needs, given in priority order; see `AllocateStep`.
+
+        overlapped: the previous step still runs, so nobody may be preempted: unless the running
+        requests' blocks all fit, change nothing and deny every need."""
+        if overlapped:
+            running = [n for n in needs if not n.is_new]
+            want = sum(
+                self.blocks_needed(n.request_id, n.num_computed + n.num_new_tokens) for n in running
+            )
+            if want > len(self._free) or any(n.request_id not in self.tables for n in running):
+                return StepBlocks(denied=[n.request_id for n in needs])
         out = StepBlocks()
         budget = new_token_budget
         gone: set[str] = set()

@@ -55,6 +55,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"  # or "swap": KV to a CPU block pool and back
     preemption_victim: str = "fewest_computed"  # or "last_admitted"
+    async_scheduling: bool = True  # plan step N+1 while the Worker runs step N
     num_cpu_blocks: int | None = None  # swap space; None: as many as GPU blocks in swap mode
     device: str = "auto"
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA

@@ -1,4 +1,4 @@
-"""Scheduler actor: continuous batching, one step in flight at a time.
+"""Scheduler actor: continuous batching, with up to two steps in flight.
 
 Inbox: AddRequest, AbortRequests, StatsQuery (Engine); Allocation (BlockManager); StepResult
 (Worker); Reset (supervisor, after a restart); Stop.
@@ -10,8 +10,18 @@ Dies when: Stop, SIGTERM, or its supervisor goes away.
 A step: pick requests under `max_num_seqs` and `max_num_batched_tokens` (the new requests' share
 is spent by the BlockManager, which knows their prefix-cache hits) -> one AllocateStep round trip
 (the BlockManager reuses cached prefixes, and preempts from the tail when blocks run out)
--> StepPlan with only what changed -> StepResult -> stop checks -> TokensOut. Blocks are freed
-only between steps, so no block is reused while a step runs on it.
+-> StepPlan with only what changed -> StepResult -> stop checks -> TokensOut.
+
+Overlap (async_scheduling): while the Worker runs step N, step N+1 is planned and allocated, so
+the Worker goes from one step to the next without waiting for a round trip. Such a step assumes
+each request that samples in step N gets one token (the Worker already has it: the persistent
+batch appends what it samples) and leaves out those that step N ends by length. It is
+allocated with `overlapped=True`: nobody is preempted or swapped, and forks wait, so a request
+in flight never loses its blocks; if the running requests do not fit, the BlockManager refuses
+the whole step and the Scheduler plans again, the normal way, once step N is done. A request
+that step N ends (stop token, abort) is computed once more by step N+1 and that token dropped.
+Blocks freed meanwhile may go to others only from step N+2 on, which the Worker runs after step
+N+1, so a step never sees its blocks rewritten.
 
 The budget goes to every running decode first, then to running prefill chunks, then to waiting
 requests by (priority, arrival). Since max_num_batched_tokens >= max_num_seqs (checked at start),
@@ -31,6 +41,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import sys
+from collections import deque
 
 from ..messages.blocks import AllocateStep, Allocation, BlockNeed, FreeBlocks
 from ..messages.codec import SchedulerInbox
@@ -61,6 +72,8 @@ class Request:
         "num_prompt_tokens",
         "params",
         "num_computed",
+        "num_scheduled",
+        "samples_in_flight",
         "stops",
         "priority",
         "arrival",
@@ -78,7 +91,9 @@ class Request:
         self.params: SamplingParams = message.params
         self.priority = message.priority
         self.arrival = arrival
-        self.num_computed = 0
+        self.num_computed = 0  # tokens whose KV a finished step wrote
+        self.num_scheduled = 0  # num_computed + the tokens of steps in flight
+        self.samples_in_flight = 0  # steps in flight that sample a token for it (0, 1 or 2)
         self.told_block_manager = 0  # tokens of token_ids the BlockManager has seen
         self.swapped = False  # KV waits in CPU blocks; num_computed stays valid
         self.cached_tokens: int | None = None  # set when first admitted
@@ -100,6 +115,20 @@ class Request:
     @property
     def num_output(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_unscheduled(self) -> int:
+        """Tokens to compute, counting one per sample in flight (the Worker already has it)."""
+        return len(self.token_ids) + self.samples_in_flight - self.num_scheduled
+
+    def ends_in_flight(self, max_model_len: int) -> bool:
+        """The samples in flight take it to max_tokens or max_model_len."""
+        if not self.samples_in_flight:
+            return False
+        length = len(self.token_ids) + self.samples_in_flight
+        return length - self.num_prompt_tokens >= self.params.max_tokens or (
+            length >= max_model_len
+        )
 
     def finish_reason(self, max_model_len: int) -> FinishReason | None:
         """Checked after each sampled token: stop tokens (after min_tokens), then length limits."""
@@ -126,6 +155,7 @@ class Scheduler(Actor):
         self.num_recomputed_tokens = 0  # KV thrown away by recompute preemptions
         self.num_steps = 0
         self.num_partial_prefills = 0
+        self.num_overlapped_steps = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
 
@@ -137,7 +167,11 @@ class Scheduler(Actor):
         self.removed: list[str] = []  # to drop from the Worker's batch with the next plan
         self.step_id = 0
         self.pending: dict[str, Request] | None = None  # awaiting Allocation
-        self.in_flight: list[tuple[Request, int]] | None = None  # awaiting StepResult
+        self.pending_told: dict[str, int] = {}  # running requests' told_block_manager before it
+        self.pending_overlapped = False
+        self.overlap_paused = False  # an overlapped step came to nothing: wait for the Worker
+        # steps the Worker has or will run, oldest first: (step id, [(request, tokens)])
+        self.in_flight: deque[tuple[int, list[tuple[Request, int]]]] = deque()
 
     def on_reset(self, message: Reset) -> None:
         self.log.warning(
@@ -198,6 +232,7 @@ class Scheduler(Actor):
         if not swapped:
             self.num_recomputed_tokens += request.num_computed
             request.num_computed = 0
+        request.num_scheduled = request.num_computed  # nothing is in flight when preempting
         self._forget_in_worker(request.request_id)
         self._enqueue(request)
         self.num_preemptions += 1
@@ -212,6 +247,7 @@ class Scheduler(Actor):
         stats.num_recomputed_tokens = self.num_recomputed_tokens
         stats.num_steps = self.num_steps
         stats.num_partial_prefills = self.num_partial_prefills
+        stats.num_overlapped_steps = self.num_overlapped_steps
         stats.prompt_tokens = self.prompt_tokens
         stats.generation_tokens = self.generation_tokens
         self.send("block_manager", message)
@@ -219,23 +255,31 @@ class Scheduler(Actor):
     # -- the step ----------------------------------------------------------------------------
 
     def schedule(self) -> None:
-        """Start the next step unless one is in flight or nothing is waiting or running."""
-        if self.pending is not None or self.in_flight is not None:
+        """Plan the next step: with no step in flight, or (async_scheduling) while one runs."""
+        if self.pending is not None or not (self.running or self.waiting):
             return
-        if not self.running and not self.waiting:
+        overlapped = bool(self.in_flight)
+        if overlapped and (
+            len(self.in_flight) > 1 or self.overlap_paused or not self.config.async_scheduling
+        ):
             return
-        self._make_seats()
+        if overlapped and self._wants_a_quiet_step():
+            return  # planned once the step in flight is done
+        if not overlapped:
+            self._make_seats()
         budget = self.config.max_num_batched_tokens
         counts: dict[str, int] = {}
-        decodes_first = sorted(
-            self.running.values(), key=lambda r: len(r.token_ids) - r.num_computed > 1
-        )
+        decodes_first = sorted(self.running.values(), key=lambda r: r.num_unscheduled > 1)
         for request in decodes_first:
-            count = min(len(request.token_ids) - request.num_computed, budget)
-            if count <= 0:
+            if budget <= 0:
                 break
-            counts[request.request_id] = count
-            budget -= count
+            if request.ends_in_flight(self.max_model_len):
+                continue
+            count = min(request.num_unscheduled, budget)
+            if count > 0:
+                counts[request.request_id] = count
+                budget -= count
+        self.pending_told = {rid: self.running[rid].told_block_manager for rid in counts}
         needs = [
             self._need(r, counts[r.request_id], False)
             for r in sorted(
@@ -251,6 +295,8 @@ class Scheduler(Actor):
         for request in self.waiting:
             if seats <= 0 or budget <= 0 or offered >= cap:
                 break
+            if overlapped and (request.swapped or request.fork_of is not None):
+                break  # swap-ins and forks wait for a step planned the normal way
             if request.fork_of is not None:
                 need = self._fork_need(request)
                 if need is None:
@@ -264,9 +310,15 @@ class Scheduler(Actor):
             pending[request.request_id] = request
             offered += count
             seats -= 1
+        if not needs:
+            return
         self.step_id += 1
         self.pending = pending
-        self.send("block_manager", AllocateStep(self.epoch, self.step_id, needs, budget))
+        self.pending_overlapped = overlapped
+        self.send(
+            "block_manager",
+            AllocateStep(self.epoch, self.step_id, needs, budget, overlapped=overlapped),
+        )
 
     def _victim_last(self, request: Request):
         """Sort key of running requests: the last ones are preempted first."""
@@ -279,7 +331,7 @@ class Scheduler(Actor):
         request.told_block_manager = len(request.token_ids)
         return BlockNeed(
             request.request_id,
-            request.num_computed,
+            request.num_scheduled,
             count,
             is_new,
             request.token_ids[told:],
@@ -303,6 +355,16 @@ class Scheduler(Actor):
             request.request_id, shared, 1, True, list(request.token_ids), fork_of=parent.request_id
         )
 
+    def _wants_a_quiet_step(self) -> bool:
+        """What only a step planned with nothing in flight may do comes first: a seat taken
+        from a lower priority, a swap-in or a fork at the head of the queue."""
+        if not self.waiting:
+            return False
+        head = self.waiting[0]
+        if len(self.running) >= self.config.max_num_seqs:
+            return head.priority < max(r.priority for r in self.running.values())
+        return head.swapped or head.fork_of is not None
+
     def _make_seats(self) -> None:
         """Waiting requests of higher priority displace the lowest-priority running ones."""
         while self.waiting and len(self.running) >= self.config.max_num_seqs:
@@ -316,6 +378,11 @@ class Scheduler(Actor):
         if message.epoch != self.epoch or message.step_id != self.step_id or self.pending is None:
             return  # stale: from before a reset
         pending, self.pending = self.pending, None
+        if self.pending_overlapped and any(r in self.running for r in message.denied):
+            self._refused(message.denied)
+            self.overlap_paused = True
+            self.schedule()  # plans now if the step in flight finished meanwhile
+            return
         for rid in message.denied:  # not admitted: the BlockManager forgot what it was told
             if rid in self.requests:
                 self.requests[rid].told_block_manager = 0
@@ -340,6 +407,9 @@ class Scheduler(Actor):
             if grant.request_id not in self.requests:
                 continue  # aborted meanwhile; its FreeBlocks followed the AllocateStep
             in_flight.append((request, grant.num_new_tokens))
+            request.num_scheduled = grant.num_computed + grant.num_new_tokens
+            if request.num_scheduled == len(request.token_ids) + request.samples_in_flight:
+                request.samples_in_flight += 1
             if grant.request_id in self.worker_knows:
                 plan.running.append(
                     RunningUpdate(grant.request_id, grant.block_ids, grant.num_new_tokens)
@@ -369,31 +439,48 @@ class Scheduler(Actor):
             if plan.removed or plan.swap_out:
                 plan.swap_in = []
                 self.send("worker", plan)
-            if message.preempted or message.swapped:
+            if self.pending_overlapped:
+                self.overlap_paused = True
+                self.schedule()  # plans now if the step in flight finished meanwhile
+            elif message.preempted or message.swapped:
                 self.schedule()
             return
-        self.in_flight = in_flight
+        self.in_flight.append((self.step_id, in_flight))
+        self.num_overlapped_steps += self.pending_overlapped
         self.send("worker", plan)
+        self.schedule()  # the next step, planned while this one runs
+
+    def _refused(self, request_ids: list[str]) -> None:
+        """An overlapped step the BlockManager refused: it changed nothing, so neither do we."""
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None:
+                request.told_block_manager = self.pending_told.get(rid, 0)
 
     def on_step_result(self, message: StepResult) -> None:
-        if message.epoch != self.epoch or message.step_id != self.step_id or not self.in_flight:
+        if message.epoch != self.epoch or not self.in_flight:
             return  # stale: from before a reset
-        in_flight, self.in_flight = self.in_flight, None
+        if message.step_id != self.in_flight[0][0]:
+            return
+        _, in_flight = self.in_flight.popleft()
+        self.overlap_paused = False
         self.num_steps += 1
         if message.error is not None:
             self.report_error(f"step {message.step_id} failed in the worker: {message.error}")
-            failed = [r for r, _ in in_flight if r.request_id in self.requests]
+            failed = [r for r, _ in in_flight if self.requests.get(r.request_id) is r]
             outputs = [RequestOutput(r.request_id, [], FinishReason.ERROR) for r in failed]
             for request in failed:
                 self._finish(request)
         else:
             outputs = self._apply(in_flight, message)
+        self.schedule()
         if outputs:
             self.send("engine", TokensOut(outputs))
-        self.schedule()
 
     def _apply(self, in_flight: list[tuple[Request, int]], result: StepResult):
         for request, count in in_flight:
+            if self.requests.get(request.request_id) is not request:
+                continue  # finished or aborted while the step ran
             request.num_computed += count
             if request.num_computed < len(request.token_ids):
                 self.num_partial_prefills += 1
@@ -406,8 +493,9 @@ class Scheduler(Actor):
         logprobs = result.logprobs or itertools.repeat(None)
         for rid, token, lp in zip(result.request_ids, result.token_ids, logprobs):
             request = self.requests.get(rid)
-            if request is None:  # aborted while the step ran
+            if request is None:  # finished or aborted while the step ran
                 continue
+            request.samples_in_flight -= 1
             request.token_ids.append(token)
             self.generation_tokens += 1
             reason = request.finish_reason(self.max_model_len)

@@ -33,12 +33,16 @@ class AllocateStep(msgspec.Struct, tag=True, array_like=True, gc=False):
     New requests also share `new_token_budget`, spent on what is left of each prompt *after* its
     prefix-cache hit (the Scheduler cannot know the hits): a request the budget cannot reach is
     denied too, and one it reaches in part is prefilled in a chunk.
+    `overlapped`: planned while the previous step still runs, so no request may lose its blocks:
+    when the running requests' blocks do not all fit, nothing is allocated and every need is
+    denied (the Scheduler then plans again, the normal way, once that step is done).
     """
 
     epoch: int
     step_id: int
     needs: list[BlockNeed]
     new_token_budget: int
+    overlapped: bool = False
 
 
 class Grant(msgspec.Struct, array_like=True, gc=False):

@@ -52,6 +52,8 @@ def run_actorserve(model_dir: Path, workload: list[bc.Request], args) -> dict:
         settings["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens:
         settings["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.no_async_scheduling:
+        settings["async_scheduling"] = False
     params = [
         SamplingParams(temperature=args.temperature, max_tokens=r.output_len, ignore_eos=True)
         for r in workload
@@ -315,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="plan each step only after the last one (default: overlap planning with the step)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     bc.add_common_flags(parser)
     parser.add_argument(CHILD_FLAG, dest="child_result", default=None, help=argparse.SUPPRESS)

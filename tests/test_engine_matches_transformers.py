@@ -1,5 +1,6 @@
 """The engine's greedy output equals Hugging Face transformers', token for token (fp32, CPU):
-with many requests batched, under preemption, and with prompts prefilled in chunks."""
+with many requests batched, under preemption, with prompts prefilled in chunks, and with steps
+planned while the step before them runs (async scheduling, the default) or one after another."""
 
 from __future__ import annotations
 
@@ -45,6 +46,17 @@ def assert_matches_transformers(model_dir, address):
 def test_sixteen_concurrent_prompts_match_transformers_on_llama(llama_dir, llama_engine):
     assert len(PROMPT_LENGTHS) >= 16 and min(PROMPT_LENGTHS) == 1 and max(PROMPT_LENGTHS) == 500
     assert_matches_transformers(llama_dir, llama_engine.address)
+    assert llama_engine.wait_blocks_free().num_overlapped_steps > 0  # steps planned ahead
+
+
+def test_output_matches_transformers_with_steps_planned_one_after_another(llama_dir):
+    server = EngineServer(llama_dir, "--async-scheduling", "false")
+    try:
+        assert_matches_transformers(llama_dir, server.address)
+        stats = server.wait_blocks_free()
+        assert stats.num_overlapped_steps == 0 and stats.num_steps > 0
+    finally:
+        assert server.stop() == 0
 
 
 def test_sixteen_concurrent_prompts_match_transformers_on_qwen3(qwen3_dir, qwen3_engine):

@@ -91,8 +91,11 @@ class ModelRunner:
             self.requests.pop(rid, None)
         scheduled = []
         for update in plan.running:
+            request = self.requests.get(update.request_id)
+            if request is None:  # dropped when the step before (planned with this one) failed
+                continue
             if update.new_block_ids:
-                self.requests[update.request_id].add_blocks(update.new_block_ids)
+                request.add_blocks(update.new_block_ids)
             scheduled.append((update.request_id, update.num_new_tokens))
         for new in plan.new:
             stops = list(new.params.stop_token_ids)
