@@ -71,7 +71,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables [max_position_embeddings, head_dim // 2] in float32, built once."""
+    """Tables [max_position_embeddings, head_dim] in float32, built once, laid out for
+    `apply_rope`: cos = [c, c], sin = [-s, s] (c, s = cos, sin of position x inv_freq)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -86,21 +87,22 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(device)
         positions = torch.arange(c.max_position_embeddings, device=device).float()
         freqs = positions[:, None] * inv_freq[None, :]
-        return freqs.cos(), freqs.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def rebuild(self, device: torch.device | str) -> None:
         """Recompute the tables on `device` (after the model was built on the meta device)."""
         self.cos, self.sin = self._tables(torch.device(device))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """[T] positions -> cos, sin [T, 1, head_dim // 2] in `dtype` (broadcast over heads)."""
+        """[T] positions -> cos, sin [T, 1, head_dim] in `dtype` (broadcast over heads)."""
         return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotation of x [T, H, D] (first half, second half), as Hugging Face's Llama."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Neox-style rotation of x [T, H, D], as Hugging Face's Llama: with x = [x1, x2] (halves),
+    [x1 * c - x2 * s, x2 * c + x1 * s] = x * [c, c] + [x2, x1] * [-s, s] (the tables' layout)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class Attention(nn.Module):
@@ -127,13 +129,16 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, -self.sizes[2] :].view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:  # q and k are adjacent: one rotation for both
+            qk = qkv[:, : -self.sizes[2]].view(T, self.num_heads + self.num_kv_heads, -1)
+            q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q, k, _ = qkv.split(self.sizes, dim=-1)
+            q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = kv_cache
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(
