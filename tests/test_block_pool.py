@@ -56,6 +56,27 @@ def test_running_requests_preempt_from_the_tail_of_the_priority_order():
     consistent(pool)
 
 
+def test_an_overlapped_step_that_would_preempt_is_refused_and_changes_nothing():
+    pool = BlockPool(4, BS, prefix_caching=False)
+    pool.allocate_step([new("a", [1] * 16), new("b", [2] * 16), new("c", [3] * 32)])
+    tables = {rid: list(t) for rid, t in pool.tables.items()}
+    needs = [running("a", 16, 1, [7]), running("b", 16, 1, [8]), new("d", [4] * 5)]
+    out = pool.allocate_step(needs, overlapped=True)
+    assert out.denied == ["a", "b", "d"] and not (out.granted or out.preempted or out.swapped)
+    assert pool.tables == tables and pool.tokens["a"] == [1] * 16  # not even the tokens
+    consistent(pool)
+
+
+def test_an_overlapped_step_that_fits_is_granted_as_usual():
+    pool = BlockPool(8, BS, prefix_caching=False)
+    pool.allocate_step([new("a", [1] * 16), new("b", [2] * 20)])
+    out = pool.allocate_step(
+        [running("a", 16, 1), running("b", 20, 1), new("c", [3] * 40)], 64, True
+    )
+    assert [g.request_id for g in out.granted] == ["a", "b", "c"] and not out.preempted
+    consistent(pool)
+
+
 def test_a_request_preempts_itself_when_nothing_behind_it_can_give_way():
     pool = BlockPool(2, BS)
     pool.allocate_step([new("a", [1] * 16)])
