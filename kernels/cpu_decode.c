@@ -4,9 +4,9 @@
  *
  * Why C: a decode reads its whole context once per layer, so the cost is memory traffic. The torch
  * path gathers K/V block by block into a padded copy and then reads the copy (three passes over
- * the context); here each (sequence, KV head) reads its K and V straight from the cache blocks,
- * once. Work items (sequence, KV head) are shared out by OpenMP; the library links the libgomp
- * that torch has already loaded, so both use one thread pool.
+ * the context); here each sequence reads its K and V straight from the cache blocks, once. Work
+ * items are shared out by OpenMP; the library links the libgomp that torch has already loaded,
+ * so both use one thread pool.
  *
  * Shapes (T tokens, B sequences, NB cache blocks, BS block size, D head_dim, G = Hq / Hkv):
  *   q, out            [T, Hq, D]  contiguous
@@ -15,65 +15,315 @@
  *   seq_lens          [B] int32 (context length including this step's token)
  *   query_start_loc   [B + 1] int32
  * Query head h uses KV head h / G (Hugging Face's repeat_kv order).
+ *
+ * How, per work item (a sequence, all its heads; or one KV head of it when there are few
+ * sequences), in two passes over its blocks:
+ * - scores: the tokens go in chunks of VW (the vector width: 16 floats with AVX-512, 8 with AVX,
+ *   else 4; a chunk never crosses a block). Each token's dot product with a query head is left
+ *   as a vector of VW partial sums, and one transpose-add turns the chunk's VW vectors into its
+ *   VW scores, instead of a horizontal sum per token;
+ * - softmax per head over its row of scores (exact max first, as the reference), with a
+ *   vectorized exp (Cephes' polynomial, within 2 ulp of expf);
+ * - V: out += p * V a chunk at a time, output vectors held in registers; divided by the sum last.
+ * Whole sequences keep a block's reads contiguous (all its heads) for the hardware prefetchers,
+ * which do not cross 4 KiB pages; the pages of the next block (an id from the table, which they
+ * cannot guess) are touched one block ahead. Sequences go longest first so that the last items
+ * handed out are short and the threads finish together.
+ * Written with GCC vector extensions (any target gcc supports) plus FMA / max intrinsics where
+ * the target has them: -std=c11 keeps gcc from contracting a * b + c by itself.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef int32_t vi __attribute__((vector_size(4 * VW)));
+/* The same vector in memory at any float alignment, aliasing anything. */
+typedef float vf_mem __attribute__((vector_size(4 * VW), aligned(4), may_alias));
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE vf load(const float *p) { return *(const vf_mem *)p; }
+INLINE void store(float *p, vf v) { *(vf_mem *)p = v; }
+INLINE vf splat(float x) { return x - (vf){0}; } /* exact for every x, unlike (vf){0} + x */
+INLINE vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+INLINE vf vmax(vf a, vf b) {
+#if VW == 16
+    return _mm512_max_ps(a, b);
+#elif VW == 8
+    return _mm256_max_ps(a, b);
+#elif defined(__SSE__)
+    return _mm_max_ps(a, b);
+#else
+    return vselect(a > b, a, b);
+#endif
 }
 
-static inline void axpy(float *restrict y, float a, const float *restrict x, int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+INLINE vf fmadd(vf a, vf b, vf c) { /* a * b + c */
+#if VW == 16
+    return _mm512_fmadd_ps(a, b, c);
+#elif VW == 8 && defined(__FMA__)
+    return _mm256_fmadd_ps(a, b, c);
+#else
+    return a * b + c;
+#endif
 }
 
-/* One (sequence, KV head): G query heads against `len` cached tokens, head_dim D.
- * scores holds G * len floats. Two passes over the context, block by block: scores from K, then
- * the softmax-weighted sum of V. ATTEND(D) makes a copy with D fixed at compile time (fully
- * unrolled vector loops); attend_any serves other head sizes. */
-#define ATTEND_BODY(D)                                                                        \
-    const int64_t token_stride = hkv * (D);                                                   \
-    const int64_t block_stride = bs * token_stride;                                           \
-    for (int64_t start = 0; start < len; start += bs) {                                       \
-        const float *k = k_cache + (int64_t)table[start / bs] * block_stride + kvh * (D);     \
-        const int64_t n = len - start < bs ? len - start : bs;                                \
-        for (int64_t t = 0; t < n; t++, k += token_stride)                                    \
-            for (int64_t j = 0; j < g; j++)                                                   \
-                scores[j * len + start + t] = dot(q + j * (D), k, (D)) * scale;               \
-    }                                                                                         \
-    for (int64_t j = 0; j < g; j++) {                                                         \
-        float *s = scores + j * len;                                                          \
-        float m = -INFINITY;                                                                  \
-        for (int64_t pos = 0; pos < len; pos++) m = s[pos] > m ? s[pos] : m;                  \
-        float sum = 0.0f;                                                                     \
-        for (int64_t pos = 0; pos < len; pos++) {                                             \
-            s[pos] = expf(s[pos] - m);                                                        \
-            sum += s[pos];                                                                    \
-        }                                                                                     \
-        const float inv = 1.0f / sum;                                                         \
-        for (int64_t pos = 0; pos < len; pos++) s[pos] *= inv;                                \
-        for (int64_t i = 0; i < (D); i++) out[j * (D) + i] = 0.0f;                            \
-    }                                                                                         \
-    for (int64_t start = 0; start < len; start += bs) {                                       \
-        const float *v = v_cache + (int64_t)table[start / bs] * block_stride + kvh * (D);     \
-        const int64_t n = len - start < bs ? len - start : bs;                                \
-        for (int64_t t = 0; t < n; t++, v += token_stride)                                    \
-            for (int64_t j = 0; j < g; j++) axpy(out + j * (D), scores[j * len + start + t], v, (D)); \
+/* Shuffle masks, written out lane by lane so that they are constants: MASK(F, s) is the vi
+ * {F(s, 0), F(s, 1), ..., F(s, VW - 1)}. */
+#define LANES4(F, s) F(s, 0), F(s, 1), F(s, 2), F(s, 3)
+#define LANES8(F, s) LANES4(F, s), F(s, 4), F(s, 5), F(s, 6), F(s, 7)
+#define LANES16(F, s) \
+    LANES8(F, s), F(s, 8), F(s, 9), F(s, 10), F(s, 11), F(s, 12), F(s, 13), F(s, 14), F(s, 15)
+#if VW == 16
+#define MASK(F, s) ((vi){LANES16(F, s)})
+#elif VW == 8
+#define MASK(F, s) ((vi){LANES8(F, s)})
+#else
+#define MASK(F, s) ((vi){LANES4(F, s)})
+#endif
+#define ROTATE(s, i) (((i) + (s)) % VW)
+
+/* Horizontal max / sum of the lanes: log2(VW) rotate-and-combine steps. */
+INLINE float hmax(vf v) {
+#if VW >= 16
+    v = vmax(v, __builtin_shuffle(v, MASK(ROTATE, 8)));
+#endif
+#if VW >= 8
+    v = vmax(v, __builtin_shuffle(v, MASK(ROTATE, 4)));
+#endif
+    v = vmax(v, __builtin_shuffle(v, MASK(ROTATE, 2)));
+    v = vmax(v, __builtin_shuffle(v, MASK(ROTATE, 1)));
+    return v[0];
+}
+
+INLINE float hsum(vf v) {
+#if VW >= 16
+    v += __builtin_shuffle(v, MASK(ROTATE, 8));
+#endif
+#if VW >= 8
+    v += __builtin_shuffle(v, MASK(ROTATE, 4));
+#endif
+    v += __builtin_shuffle(v, MASK(ROTATE, 2));
+    v += __builtin_shuffle(v, MASK(ROTATE, 1));
+    return v[0];
+}
+
+/* Transpose-add: returns r with r[j] = the sum of v[j]'s lanes, for the VW vectors v[0..VW-1]
+ * (v is clobbered). Step s (1, 2, 4, ...) merges the VW / s vectors pairwise, a = v[2p] and
+ * b = v[2p + 1] into v[p]: of the runs of s lanes, the even runs (FROM_A) take a's runs 0, 2, 4,
+ * ... and the odd runs b's; adding the same with a's and b's runs 1, 3, 5, ... (FROM_B) sums
+ * neighbouring runs. Within each 2s lanes, the first s then hold sums of a's lanes, the next s
+ * b's. After the last step lane j holds all of v[j]: VW - 1 adds and 2 (VW - 1) shuffles for VW
+ * dot products, instead of log2(VW) of each per product. */
+#define FROM_A(s, i) ((i) / (s) % 2 * VW + (i) / (s) / 2 * 2 * (s) + (i) % (s))
+#define FROM_B(s, i) (FROM_A(s, i) + (s))
+#define MERGE(v, s)                                                                          \
+    for (int p = 0; p < VW / (2 * (s)); p++)                                                 \
+        v[p] = __builtin_shuffle(v[2 * p], v[2 * p + 1], MASK(FROM_A, s)) +                  \
+               __builtin_shuffle(v[2 * p], v[2 * p + 1], MASK(FROM_B, s));
+
+INLINE vf transpose_add(vf v[VW]) {
+    MERGE(v, 1)
+    MERGE(v, 2)
+#if VW >= 8
+    MERGE(v, 4)
+#endif
+#if VW >= 16
+    MERGE(v, 8)
+#endif
+    return v[0];
+}
+
+/* exp(x) for x <= 0 (-inf included: gives 0), Cephes' expf polynomial: within 2 ulp of expf
+ * down to x = -87.3; below that (where expf goes subnormal) 0. */
+INLINE vf vexp(vf x) {
+    const vf lo = splat(-87.33654f), magic = splat(12582912.0f); /* 1.5 * 2^23 */
+    const vi underflow = x < lo;
+    x = vmax(x, lo);
+    /* n = round(x / ln 2) via the magic number: its low mantissa bits hold n */
+    const vf t = x * splat(1.44269504088896341f) + magic;
+    const vf n = t - magic;
+    const vi ni = (vi)t - (vi)magic;
+    x = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f); /* ln 2, hi + lo parts */
+    vf y = splat(1.9875691500e-4f);
+    y = y * x + splat(1.3981999507e-3f);
+    y = y * x + splat(8.3334519073e-3f);
+    y = y * x + splat(4.1665795894e-2f);
+    y = y * x + splat(1.6666665459e-1f);
+    y = y * x + splat(5.0000001201e-1f);
+    y = y * (x * x) + x + splat(1.0f);
+    y *= (vf)((ni + 127) << 23); /* 2^n, n in [-126, 0] */
+    return (vf)(~underflow & (vi)y);
+}
+
+/* Scores of n <= VW consecutive tokens k[t * stride] against q, times scale, as one vector
+ * (lanes past n: 0). */
+#define QREG 8 /* q vectors held in registers (D up to QREG * VW); the rest is read from L1 */
+INLINE vf chunk_scores(const float *restrict q, const float *restrict k, int n, int64_t stride,
+                       int64_t d, float scale) {
+    const int64_t dv = d - d % VW; /* the part of a row in whole vectors; the rest is scalar */
+    vf qr[QREG] = {0};
+    for (int u = 0; u < QREG && u * VW < dv; u++) qr[u] = load(q + u * VW);
+    vf part[VW];
+    for (int t = 0; t < VW; t++) {
+        vf acc = splat(0.0f);
+        if (t < n) {
+            const float *kt = k + t * stride;
+            for (int u = 0; u < QREG && u * VW < dv; u++)
+                acc = fmadd(qr[u], load(kt + u * VW), acc);
+            for (int64_t i = QREG * VW; i < dv; i += VW)
+                acc = fmadd(load(q + i), load(kt + i), acc);
+            for (int64_t i = dv; i < d; i++) acc[0] += q[i] * kt[i];
+        }
+        part[t] = acc;
     }
+    return transpose_add(part) * splat(scale);
+}
+
+/* o[0..d) += the sum over t < n of w[t] * v[t * stride + 0..d). STRIP vectors of o at a time
+ * stay in registers, with two accumulators each (even and odd tokens) to overlap FMA latency. */
+#define STRIP 8
+INLINE void weighted_add(float *restrict o, const float *restrict w, const float *restrict v,
+                         int n, int64_t stride, int64_t d) {
+    const int64_t dv = d - d % VW;
+    for (int64_t i0 = 0; i0 < dv; i0 += STRIP * VW) {
+        const int strip = dv - i0 < STRIP * VW ? (int)((dv - i0) / VW) : STRIP;
+        vf acc0[STRIP] = {0}, acc1[STRIP] = {0};
+        for (int u = 0; u < strip; u++) acc0[u] = load(o + i0 + u * VW);
+        int t = 0;
+        for (; t + 1 < n; t += 2) {
+            const float *v0 = v + t * stride + i0, *v1 = v0 + stride;
+            const vf w0 = splat(w[t]), w1 = splat(w[t + 1]);
+            for (int u = 0; u < strip; u++) {
+                acc0[u] = fmadd(w0, load(v0 + u * VW), acc0[u]);
+                acc1[u] = fmadd(w1, load(v1 + u * VW), acc1[u]);
+            }
+        }
+        if (t < n)
+            for (int u = 0; u < strip; u++)
+                acc0[u] = fmadd(splat(w[t]), load(v + t * stride + i0 + u * VW), acc0[u]);
+        for (int u = 0; u < strip; u++) store(o + i0 + u * VW, acc0[u] + acc1[u]);
+    }
+    for (int64_t i = dv; i < d; i++)
+        for (int t = 0; t < n; t++) o[i] += w[t] * v[t * stride + i];
+}
+
+/* Touch each 4 KiB page of a cache block, so that the TLB walk and the first miss of each page
+ * (which starts the hardware prefetcher's stream there) happen a block early. */
+INLINE void touch_pages(const float *block, int64_t floats) {
+    const char *p = (const char *)block;
+    const int64_t bytes = floats * (int64_t)sizeof(float);
+    for (int64_t off = 0; off < bytes; off += 4096) __builtin_prefetch(p + off);
+    __builtin_prefetch(p + bytes - 1);
+}
+
+/* Scores per head: a row of ROW(len) floats, room for the last chunk's whole vector. */
+#define ROW(len) (((len) + VW - 1) / VW * VW + VW)
+
+/* Query heads [kvh * g, (kvh + nkv) * g) of one sequence against its `len` cached tokens; q and
+ * out point at the first of them; scores holds nkv * g * ROW(len) floats. Inlined into copies
+ * with D fixed (fully unrolled vector loops) and one for any D. */
+INLINE void attend(const float *restrict q, const float *restrict k_cache,
+                   const float *restrict v_cache, const int32_t *restrict table, int64_t len,
+                   int64_t bs, int64_t hkv, int64_t kvh, int64_t nkv, int64_t d, int64_t g,
+                   float scale, float *restrict scores, float *restrict out) {
+    const int64_t token_stride = hkv * d, block_stride = bs * token_stride;
+    const int64_t heads = nkv * g, row = ROW(len), dv = d - d % VW;
+    const int64_t nblocks = (len + bs - 1) / bs;
+    /* pass 1: scores[head][pos]; a chunk's lanes past its tokens are overwritten by the next
+     * chunk or lie past len */
+    for (int64_t b = 0; b < nblocks; b++) {
+        if (b + 1 < nblocks) touch_pages(k_cache + (int64_t)table[b + 1] * block_stride,
+                                         block_stride);
+        const int64_t start = b * bs, in_block = len - start < bs ? len - start : bs;
+        const float *k = k_cache + (int64_t)table[b] * block_stride + kvh * d;
+        for (int64_t c = 0; c < in_block; c += VW) {
+            const int n = in_block - c < VW ? (int)(in_block - c) : VW;
+            for (int64_t h = 0; h < nkv; h++)
+                for (int64_t j = 0; j < g; j++)
+                    store(scores + (h * g + j) * row + start + c,
+                          chunk_scores(q + (h * g + j) * d, k + c * token_stride + h * d, n,
+                                       token_stride, d, scale));
+        }
+    }
+    /* softmax: scores become exp(score - max); inv keeps 1 / their sum */
+    float inv[heads];
+    const int64_t nvec = (len + VW - 1) / VW;
+    for (int64_t j = 0; j < heads; j++) {
+        float *s = scores + j * row;
+        for (int64_t pos = len; pos < nvec * VW; pos++) s[pos] = -INFINITY;
+        vf mx0 = splat(-INFINITY), mx1 = mx0; /* two chains to overlap the latency */
+        int64_t i = 0;
+        for (; i + 1 < nvec; i += 2) {
+            mx0 = vmax(mx0, load(s + i * VW));
+            mx1 = vmax(mx1, load(s + i * VW + VW));
+        }
+        if (i < nvec) mx0 = vmax(mx0, load(s + i * VW));
+        const vf m = splat(hmax(vmax(mx0, mx1)));
+        vf sum = splat(0.0f);
+        for (i = 0; i < nvec; i++) {
+            const vf p = vexp(load(s + i * VW) - m);
+            store(s + i * VW, p);
+            sum += p;
+        }
+        inv[j] = 1.0f / hsum(sum);
+        memset(out + j * d, 0, sizeof(float) * d);
+    }
+    /* pass 2: out = the exp-weighted sum of V, then / the sum */
+    for (int64_t b = 0; b < nblocks; b++) {
+        if (b + 1 < nblocks) touch_pages(v_cache + (int64_t)table[b + 1] * block_stride,
+                                         block_stride);
+        const int64_t start = b * bs, in_block = len - start < bs ? len - start : bs;
+        const float *v = v_cache + (int64_t)table[b] * block_stride + kvh * d;
+        for (int64_t c = 0; c < in_block; c += VW) {
+            const int n = in_block - c < VW ? (int)(in_block - c) : VW;
+            for (int64_t h = 0; h < nkv; h++)
+                for (int64_t j = 0; j < g; j++)
+                    weighted_add(out + (h * g + j) * d, scores + (h * g + j) * row + start + c,
+                                 v + c * token_stride + h * d, n, token_stride, d);
+        }
+    }
+    for (int64_t j = 0; j < heads; j++) {
+        float *o = out + j * d;
+        for (int64_t i = 0; i < dv; i += VW) store(o + i, load(o + i) * splat(inv[j]));
+        for (int64_t i = dv; i < d; i++) o[i] *= inv[j];
+    }
+}
 
 #define ATTEND_ARGS                                                                           \
     const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,    \
         const int32_t *restrict table, int64_t len, int64_t bs, int64_t hkv, int64_t kvh,     \
-        int64_t d, int64_t g, float scale, float *restrict scores, float *restrict out
+        int64_t nkv, int64_t d, int64_t g, float scale, float *restrict scores,               \
+        float *restrict out
+#define ATTEND_CALL(D)                                                                        \
+    attend(q, k_cache, v_cache, table, len, bs, hkv, kvh, nkv, D, g, scale, scores, out)
 
-static void attend_64(ATTEND_ARGS) { (void)d; ATTEND_BODY(64) }
-static void attend_128(ATTEND_ARGS) { (void)d; ATTEND_BODY(128) }
-static void attend_any(ATTEND_ARGS) { ATTEND_BODY(d) }
+static void attend_64(ATTEND_ARGS) { (void)d; ATTEND_CALL(64); }
+static void attend_128(ATTEND_ARGS) { (void)d; ATTEND_CALL(128); }
+static void attend_any(ATTEND_ARGS) { ATTEND_CALL(d); }
+
+/* qsort order for keys (context length << 32 | sequence): longest first */
+static int descending(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x < y) - (x > y);
+}
 
 /* Returns 0, or -1 when a scratch buffer could not be allocated (out is then incomplete). */
 int decode_attention(const float *q, const float *k_cache, const float *v_cache,
@@ -82,27 +332,43 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
                      int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                      float *out) {
     const int64_t group = num_q_heads / num_kv_heads;
-    int64_t max_len = 1;
+    int64_t *order = malloc(sizeof(int64_t) * (num_seqs > 0 ? num_seqs : 1));
+    if (order == NULL) return -1;
+    int64_t count = 0, max_len = 1;
     for (int64_t b = 0; b < num_seqs; b++)
-        if (seq_lens[b] > max_len) max_len = seq_lens[b];
+        if (query_start_loc[b + 1] - query_start_loc[b] == 1) {
+            order[count++] = (int64_t)seq_lens[b] << 32 | b;
+            if (seq_lens[b] > max_len) max_len = seq_lens[b];
+        }
+    qsort(order, count, sizeof(int64_t), descending);
+#if defined(_OPENMP)
+    const int64_t threads = omp_get_max_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    /* Items are whole sequences (contiguous reads), unless too few to keep the threads busy:
+     * then each KV head of a sequence is an item. */
+    const int64_t split = count >= 4 * threads ? 1 : num_kv_heads, nkv = num_kv_heads / split;
+    void (*attend_d)(ATTEND_ARGS) =
+        head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * group * max_len);
+        float *scores = malloc(sizeof(float) * nkv * group * ROW(max_len));
         if (scores == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
-            const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
-            const int64_t row = query_start_loc[b];
-            if (scores == NULL || query_start_loc[b + 1] - row != 1) continue;
-            const int64_t offset = (row * num_q_heads + kvh * group) * head_dim;
-            void (*attend)(ATTEND_ARGS) =
-                head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
-            attend(q + offset, k_cache, v_cache, block_tables + b * table_stride, seq_lens[b],
-                       block_size, num_kv_heads, kvh, head_dim, group, scale, scores,
-                       out + offset);
+        for (int64_t item = 0; item < count * split; item++) {
+            if (scores == NULL) continue;
+            const int64_t b = order[item / split] & 0xffffffff;
+            const int64_t kvh = item % split * nkv;
+            const int64_t offset =
+                ((int64_t)query_start_loc[b] * num_q_heads + kvh * group) * head_dim;
+            attend_d(q + offset, k_cache, v_cache, block_tables + b * table_stride, seq_lens[b],
+                     block_size, num_kv_heads, kvh, nkv, head_dim, group, scale, scores,
+                     out + offset);
         }
         free(scores);
     }
+    free(order);
     return failed ? -1 : 0;
 }
