@@ -7,17 +7,21 @@ Dies when: Stop, SIGTERM, or its supervisor goes away. A failing step is answere
 StepResult.error, and the Worker keeps serving.
 
 The forward runs on a thread of its own so the event loop keeps sending heartbeats meanwhile.
+That thread takes the plans (and Resets, to keep their order) from a queue the event loop fills
+and sends each StepResult itself: when the Scheduler planned step N+1 while step N ran, the plan
+is already waiting and the next forward starts at once, with no hop through the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from ...kernels import attention_ops
-from ...messages.codec import WorkerInbox
+from ...messages.codec import WorkerInbox, encode
 from ...messages.control import Ready, Reset
 from ...messages.step import StepPlan, StepResult
 from ..runtime import Actor, actor_main
@@ -48,7 +52,10 @@ class Worker(Actor):
         # parallel regions, and every op then pays a futex wake-up (decode steps measured ~25%
         # slower on 2 cores).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-        await asyncio.get_running_loop().run_in_executor(self.executor, self._build)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.executor, self._build)
+        self.plans: queue.SimpleQueue[StepPlan | Reset | None] = queue.SimpleQueue()
+        self.forward = loop.run_in_executor(self.executor, self._forward_loop)
 
     def _build(self) -> None:
         """Load the model, allocate the KV cache, make the runner (on the forward thread)."""
@@ -126,26 +133,41 @@ class Worker(Actor):
         )
 
     def on_reset(self, message: Reset) -> None:
-        self.epoch = message.epoch
-        self.runner.requests.clear()
+        self.plans.put(message)
 
-    async def on_step_plan(self, plan: StepPlan) -> None:
-        if plan.epoch != self.epoch:
-            return
-        loop = asyncio.get_running_loop()
+    def on_step_plan(self, plan: StepPlan) -> None:
+        self.plans.put(plan)
+
+    def _forward_loop(self) -> None:
+        """The forward thread, until teardown's None: run each plan of the current epoch in
+        order and send its StepResult (on this thread's own socket to the Scheduler)."""
+        results = self._connect("scheduler")
         try:
-            result = await loop.run_in_executor(self.executor, self.runner.execute, plan)
+            while (item := self.plans.get()) is not None:
+                if isinstance(item, Reset):
+                    self.epoch = item.epoch
+                    self.runner.requests.clear()
+                elif item.epoch == self.epoch:
+                    result = self._execute(item)
+                    if item.running or item.new:
+                        results.send(encode(result), copy=False)
+        finally:
+            results.close()
+
+    def _execute(self, plan: StepPlan) -> StepResult:
+        try:
+            return self.runner.execute(plan)
         except Exception as exc:
             self.log.exception("step %d failed", plan.step_id)
             for rid in [u.request_id for u in plan.running] + [n.request_id for n in plan.new]:
                 self.runner.requests.pop(rid, None)
-            result = StepResult(
+            return StepResult(
                 plan.epoch, plan.step_id, [], [], error=f"{type(exc).__name__}: {exc}"
             )
-        if plan.running or plan.new:
-            self.send("scheduler", result)
 
     async def teardown(self) -> None:
+        self.plans.put(None)
+        await self.forward
         self.executor.shutdown(wait=True)
 
 
