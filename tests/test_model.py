@@ -273,3 +273,14 @@ def test_loader_names_wrong_shape(broken_checkpoint):
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(ValueError, match="model.layers.0.mlp.gate_up_proj.weight"):
         load_model(path, "cpu", torch.float32, attention_ops("cpu", "reference"))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 200])
+def test_the_packed_cpu_lm_head_gives_the_plain_logits(models, rows):
+    _, ours, config, path = models
+    packed, _ = load_model(path, "cpu", torch.float32, attention_ops("cpu"))
+    assert packed.pack_lm_head_for_cpu(), "oneDNN packing is unavailable in this torch build"
+    hidden = torch.randn(rows, config.hidden_size, generator=torch.Generator().manual_seed(rows))
+    torch.testing.assert_close(
+        packed.compute_logits(hidden), ours.compute_logits(hidden), rtol=1e-6, atol=1e-5
+    )
