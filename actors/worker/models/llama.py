@@ -98,7 +98,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """[T] positions -> cos, sin [T, 1, head_dim] in `dtype` (broadcast over heads)."""
-        return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
