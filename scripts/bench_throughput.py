@@ -210,6 +210,8 @@ def run_isolated(backend: str, name: str, num_requests: int, args) -> dict:
                 command += ["--" + flag.replace("_", "-"), str(value)]
         if args.quiet:
             command.append("--quiet")
+        if args.no_async_scheduling:
+            command.append("--no-async-scheduling")
         subprocess.run(command, check=True)
         return json.loads(out.read_text())
 
@@ -253,7 +255,11 @@ def bench_model(name: str, args) -> list[dict]:
     results = {}
     for backend in args.backends:
         print(f"  running {backend} ...", flush=True)
-        result = run_isolated(backend, name, n, args)
+        runs = sorted(
+            (run_isolated(backend, name, n, args) for _ in range(args.repeat)),
+            key=lambda r: r["wall_s"],
+        )
+        result = runs[(len(runs) - 1) // 2]  # the median run (the lower one of an even count)
         results[backend] = result
         wall = result["wall_s"]
         rows.append(
@@ -271,9 +277,11 @@ def bench_model(name: str, args) -> list[dict]:
                 "gemm_peak_gflop_s": gemm["peak"] / 1e9,
                 "roofline_fraction": work / wall / gemm["peak"],
                 "threads": args.threads,
+                "wall_s_runs": [r["wall_s"] for r in runs],
             }
         )
-        print(f"  {backend}: {wall:.2f} s", flush=True)
+        spread = " / ".join(f"{r['wall_s']:.2f}" for r in runs)
+        print(f"  {backend}: {wall:.2f} s (runs: {spread})", flush=True)
     base = next((r for r in rows if r["backend"] == "actorserve"), None)
     reference = results.get("hf-static") or results.get("hf-cb")
     for row in rows:
@@ -321,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         "--no-async-scheduling",
         action="store_true",
         help="plan each step only after the last one (default: overlap planning with the step)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each backend (each in a fresh process); the table shows the median",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     bc.add_common_flags(parser)
