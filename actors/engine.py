@@ -31,6 +31,7 @@ from ..messages.client import (
     AbortRequest,
     ClientToEngine,
     Delta,
+    DeltaBatch,
     EngineStats,
     ErrorReply,
     GenerateRequest,
@@ -253,6 +254,7 @@ class Engine(Actor):
     # -- outputs -----------------------------------------------------------------------------
 
     def on_tokens_out(self, message: TokensOut) -> None:
+        replies: dict[bytes, list[Delta]] = {}  # one message per client identity
         for output in message.outputs:
             live = self.live.get(output.request_id)
             if live is None:  # aborted by the client already
@@ -275,7 +277,9 @@ class Engine(Actor):
                 delta.logprobs = output.logprobs
             if first and output.prompt_logprobs is not None:
                 delta.prompt_logprobs = output.prompt_logprobs
-            self.reply(live.identity, delta)
+            replies.setdefault(live.identity, []).append(delta)
+        for identity, deltas in replies.items():
+            self.reply(identity, deltas[0] if len(deltas) == 1 else DeltaBatch(deltas))
 
     @staticmethod
     def _delta(live: LiveRequest, text: str, token_ids: list[int], reason) -> Delta:

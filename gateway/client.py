@@ -23,6 +23,7 @@ import zmq.asyncio
 from ..messages.client import (
     AbortRequest,
     Delta,
+    DeltaBatch,
     EngineToClient,
     ErrorReply,
     GenerateRequest,
@@ -178,10 +179,11 @@ class AsyncClient:
                                 "the engine restarted and lost this request", "unavailable", rid
                             )
                         )
-            elif isinstance(message, Delta):
-                stream = self._streams.get(message.request_id)
-                if stream is not None:
-                    stream.push(message)
+            elif isinstance(message, (Delta, DeltaBatch)):
+                for delta in message.deltas if isinstance(message, DeltaBatch) else [message]:
+                    stream = self._streams.get(delta.request_id)
+                    if stream is not None:
+                        stream.push(delta)
             elif isinstance(message, ErrorReply):
                 stream = self._streams.get(message.request_id or "")
                 if stream is not None:

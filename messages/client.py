@@ -105,5 +105,12 @@ class HealthReply(msgspec.Struct, tag=True, omit_defaults=True):
     actors: list[ActorStatus] = []
 
 
+class DeltaBatch(msgspec.Struct, tag=True):
+    """Several requests' deltas of one step for the same client, in one message (a client with
+    many streams would otherwise receive one message per stream per step)."""
+
+    deltas: list[Delta]
+
+
 ClientToEngine = GenerateRequest | AbortRequest | HealthRequest | Ping
-EngineToClient = Delta | ErrorReply | HealthReply | Pong
+EngineToClient = Delta | DeltaBatch | ErrorReply | HealthReply | Pong

@@ -202,3 +202,43 @@ def test_a_stop_string_ends_the_stream_there_and_frees_the_request(engine):
         msgspec.structs.replace(params, stop=[stop], include_stop_str_in_output=True),
     )
     assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+
+
+def test_a_client_with_many_streams_gets_each_steps_deltas_in_one_message(engine):
+    """Four requests on one DEALER: their deltas of a step come as one DeltaBatch, and every
+    request still gets all its tokens, in order, ending with its finish reason."""
+    import zmq
+
+    from actorserve.messages.client import Delta, DeltaBatch, EngineToClient
+    from actorserve.messages.codec import Decoder
+
+    ctx = zmq.Context()
+    socket = ctx.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVTIMEO, 60_000)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    rids = [f"batch-{i}" for i in range(4)]
+    tokens: dict[str, list[int]] = {rid: [] for rid in rids}
+    finished: set[str] = set()
+    batches = 0
+    try:
+        socket.connect(engine.address)
+        for i, rid in enumerate(rids):
+            socket.send(
+                encode(GenerateRequest(rid, prompt_token_ids=[1, 5 + i] * 3, params=params))
+            )
+        decoder = Decoder(EngineToClient)
+        while finished != set(rids):
+            message = decoder.decode(socket.recv())
+            batches += isinstance(message, DeltaBatch)
+            deltas = message.deltas if isinstance(message, DeltaBatch) else [message]
+            for delta in deltas:
+                assert isinstance(delta, Delta) and delta.request_id not in finished
+                tokens[delta.request_id] += delta.token_ids
+                if delta.finished:
+                    finished.add(delta.request_id)
+    finally:
+        socket.close()
+        ctx.term()
+    assert batches > 0
+    assert all(len(ids) == 12 for ids in tokens.values())
