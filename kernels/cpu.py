@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from . import native
 from .reference import store_kv
 
-__all__ = ["CpuAttention", "store_kv"]
+__all__ = ["CpuAttention", "argmax_rows", "store_kv"]
 
 DECODE_GROUP = 16  # decode rows per attention call (sorted by length, padded within the group)
 
@@ -177,3 +177,14 @@ def _grouped_decode(q, k_cache, v_cache, g: _DecodeGroup, scale: float, gqa: boo
         qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask, scale=scale, enable_gqa=gqa
     )
     out.index_copy_(0, g.token_rows, o.squeeze(2))
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> [N] int64, the first maximum of each row (as logits.max(dim=-1).indices): in C
+    (kernels/cpu_argmax.c, one pass, ~3x faster at a step's logits) for fp32 CPU logits."""
+    cpu_fp32 = logits.device.type == "cpu" and logits.dtype == torch.float32
+    if cpu_fp32 and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[-1] > 0:
+        lib = native.load()
+        if lib is not None:
+            return native.argmax_rows(lib, logits)
+    return logits.max(dim=-1).indices

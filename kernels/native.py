@@ -1,4 +1,5 @@
-"""Build and load kernels/cpu_decode.c: CPU decode attention reading the paged cache directly.
+"""Build and load the CPU kernels in C: kernels/cpu_decode.c (decode attention reading the paged
+cache directly) and kernels/cpu_argmax.c (greedy sampling's argmax), one library.
 
 Built with the machine's C compiler on first use (under a second on gcc) into a per-user cache,
 named by a hash of the source, the flags, the compiler and the CPU, so a changed file or another
@@ -25,7 +26,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_argmax.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm")
 CACHE_ENV = "ACTORSERVE_KERNEL_CACHE"
 
@@ -49,7 +50,7 @@ def _cpu_model() -> str:
 
 
 def build() -> Path | None:
-    """Compile cpu_decode.c (or find it compiled) -> the library's path; None without a compiler.
+    """Compile the sources (or find them compiled) -> the library's path; None without a compiler.
 
     Raises RuntimeError when the compiler fails."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -57,16 +58,18 @@ def build() -> Path | None:
         return None
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), *FLAGS, version, platform.machine(), _cpu_model()]).encode()
+        "\0".join(
+            [*(s.read_text() for s in SOURCES), *FLAGS, version, platform.machine(), _cpu_model()]
+        ).encode()
     ).hexdigest()[:16]
-    target = cache_dir() / f"cpu_decode-{key}.so"
+    target = cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, str(SOURCE), "-o", str(built), *FLAGS], capture_output=True, text=True
+            [compiler, *map(str, SOURCES), "-o", str(built), *FLAGS], capture_output=True, text=True
         )
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -90,6 +93,8 @@ def load() -> ctypes.CDLL | None:
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr] + [i64] * 5
     lib.decode_attention.argtypes += [ctypes.c_float, ptr]
+    lib.argmax_rows.restype = None
+    lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
     return lib
 
 
@@ -126,3 +131,13 @@ def decode_attention(
     )
     if status != 0:
         raise MemoryError("decode attention could not allocate its score buffer")
+
+
+def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] fp32 CPU logits (rows may be strided, columns contiguous) -> [N] int64: the first
+    maximum of each row, as logits.max(dim=-1).indices."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.argmax_rows(
+        logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr()
+    )
+    return out

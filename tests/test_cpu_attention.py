@@ -1,8 +1,9 @@
-"""The CPU serving kernels (kernels/cpu.py) against the torch reference, on both decode paths:
+"""The CPU serving kernels (kernels/cpu.py) against torch, on both decode paths:
 the C kernel that reads the paged cache directly (kernels/cpu_decode.c) and the grouped torch
 path kept for machines without a compiler. Decodes of many lengths, prefill chunks with and
 without a cached prefix, GQA and MHA, head sizes, block sizes, junk past a sequence's blocks, and
-the per-step layout reused across layers (and not across steps)."""
+the per-step layout reused across layers (and not across steps). Also the greedy argmax
+(kernels/cpu_argmax.c) against torch's max(dim=-1).indices."""
 
 from __future__ import annotations
 
@@ -96,3 +97,16 @@ def test_the_kernel_library_is_cached_by_content(tmp_path, monkeypatch):
 def test_auto_picks_the_cpu_kernels_on_cpu():
     assert attention_ops("cpu").name == "cpu"
     assert attention_ops("cpu", "reference").name == "reference"
+
+
+@pytest.mark.parametrize("shape", [(64, 32000), (3, 17), (1, 1), (5, 100003)])
+def test_argmax_rows_is_the_first_maximum_of_each_row(shape):
+    gen = torch.Generator().manual_seed(0)
+    for logits in (
+        torch.randn(shape, generator=gen),
+        torch.randint(0, 3, shape, generator=gen).float(),  # ties everywhere
+        torch.full(shape, float("-inf")),  # nothing but masked tokens
+    ):
+        assert torch.equal(cpu.argmax_rows(logits), logits.max(dim=-1).indices)
+    strided = torch.randn(shape[0], shape[1] + 7, generator=gen)[:, 3 : 3 + shape[1]]
+    assert torch.equal(cpu.argmax_rows(strided), strided.max(dim=-1).indices)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels.cpu import argmax_rows
 from ...messages.common import SamplingParams
 from .logits_processors import apply_logits_processors
 
@@ -47,8 +48,7 @@ class Sampler:
                 logits[i, row.stop_token_ids] = float("-inf")
         if any(r.params.processes_logits for r in rows):  # penalties, logit_bias
             logits = apply_logits_processors(logits, rows)
-        # max(dim).indices is argmax (the first maximum) and ~3x faster than argmax on CPU
-        tokens = logits.max(dim=-1).indices.cpu()
+        tokens = argmax_rows(logits).cpu()  # the first maximum of each row
         if all(r.params.temperature == 0.0 for r in rows):
             return tokens.tolist()
         random_rows = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
