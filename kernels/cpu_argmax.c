@@ -8,17 +8,7 @@
  */
 #include <stdint.h>
 
-#if defined(__AVX512F__)
-#define VW 16
-#elif defined(__AVX__)
-#define VW 8
-#else
-#define VW 4
-#endif
-
-typedef float vf __attribute__((vector_size(4 * VW)));
-typedef int32_t vi __attribute__((vector_size(4 * VW)));
-typedef float vf_mem __attribute__((vector_size(4 * VW), aligned(4), may_alias));
+#include "cpu_vec.h"
 
 static int64_t row_argmax(const float *x, int64_t cols) {
     int64_t c = 0;

@@ -36,54 +36,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__SSE__)
-#include <immintrin.h>
-#endif
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
-#if defined(__AVX512F__)
-#define VW 16
-#elif defined(__AVX__)
-#define VW 8
-#else
-#define VW 4
-#endif
-
-typedef float vf __attribute__((vector_size(4 * VW)));
-typedef int32_t vi __attribute__((vector_size(4 * VW)));
-/* The same vector in memory at any float alignment, aliasing anything. */
-typedef float vf_mem __attribute__((vector_size(4 * VW), aligned(4), may_alias));
-
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE vf load(const float *p) { return *(const vf_mem *)p; }
-INLINE void store(float *p, vf v) { *(vf_mem *)p = v; }
-INLINE vf splat(float x) { return x - (vf){0}; } /* exact for every x, unlike (vf){0} + x */
-INLINE vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
-
-INLINE vf vmax(vf a, vf b) {
-#if VW == 16
-    return _mm512_max_ps(a, b);
-#elif VW == 8
-    return _mm256_max_ps(a, b);
-#elif defined(__SSE__)
-    return _mm_max_ps(a, b);
-#else
-    return vselect(a > b, a, b);
-#endif
-}
-
-INLINE vf fmadd(vf a, vf b, vf c) { /* a * b + c */
-#if VW == 16
-    return _mm512_fmadd_ps(a, b, c);
-#elif VW == 8 && defined(__FMA__)
-    return _mm256_fmadd_ps(a, b, c);
-#else
-    return a * b + c;
-#endif
-}
+#include "cpu_vec.h"
 
 /* Shuffle masks, written out lane by lane so that they are constants: MASK(F, s) is the vi
  * {F(s, 0), F(s, 1), ..., F(s, VW - 1)}. */
@@ -149,28 +102,6 @@ INLINE vf transpose_add(vf v[VW]) {
     MERGE(v, 8)
 #endif
     return v[0];
-}
-
-/* exp(x) for x <= 0 (-inf included: gives 0), Cephes' expf polynomial: within 2 ulp of expf
- * down to x = -87.3; below that (where expf goes subnormal) 0. */
-INLINE vf vexp(vf x) {
-    const vf lo = splat(-87.33654f), magic = splat(12582912.0f); /* 1.5 * 2^23 */
-    const vi underflow = x < lo;
-    x = vmax(x, lo);
-    /* n = round(x / ln 2) via the magic number: its low mantissa bits hold n */
-    const vf t = x * splat(1.44269504088896341f) + magic;
-    const vf n = t - magic;
-    const vi ni = (vi)t - (vi)magic;
-    x = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f); /* ln 2, hi + lo parts */
-    vf y = splat(1.9875691500e-4f);
-    y = y * x + splat(1.3981999507e-3f);
-    y = y * x + splat(8.3334519073e-3f);
-    y = y * x + splat(4.1665795894e-2f);
-    y = y * x + splat(1.6666665459e-1f);
-    y = y * x + splat(5.0000001201e-1f);
-    y = y * (x * x) + x + splat(1.0f);
-    y *= (vf)((ni + 127) << 23); /* 2^n, n in [-126, 0] */
-    return (vf)(~underflow & (vi)y);
 }
 
 /* Scores of n <= VW consecutive tokens k[t * stride] against q, times scale, as one vector

@@ -1,5 +1,6 @@
-"""Build and load the CPU kernels in C: kernels/cpu_decode.c (decode attention reading the paged
-cache directly) and kernels/cpu_argmax.c (greedy sampling's argmax), one library.
+"""Build and load the CPU kernels in C, one library: kernels/cpu_decode.c (decode attention
+reading the paged cache directly), cpu_argmax.c (greedy sampling's argmax) and cpu_elementwise.c
+(fused RMSNorm with its residual add, SiLU-and-multiply), with cpu_vec.h.
 
 Built with the machine's C compiler on first use (under a second on gcc) into a per-user cache,
 named by a hash of the source, the flags, the compiler and the CPU, so a changed file or another
@@ -26,7 +27,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_argmax.c"))
+HERE = Path(__file__).parent
+SOURCES = tuple(HERE / name for name in ("cpu_decode.c", "cpu_argmax.c", "cpu_elementwise.c"))
+HEADERS = (HERE / "cpu_vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm")
 CACHE_ENV = "ACTORSERVE_KERNEL_CACHE"
 
@@ -59,7 +62,13 @@ def build() -> Path | None:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         "\0".join(
-            [*(s.read_text() for s in SOURCES), *FLAGS, version, platform.machine(), _cpu_model()]
+            [
+                *(f.read_text() for f in SOURCES + HEADERS),
+                *FLAGS,
+                version,
+                platform.machine(),
+                _cpu_model(),
+            ]
         ).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{key}.so"
@@ -95,6 +104,10 @@ def load() -> ctypes.CDLL | None:
     lib.decode_attention.argtypes += [ctypes.c_float, ptr]
     lib.argmax_rows.restype = None
     lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
+    lib.rms_norm.restype = None
+    lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
+    lib.silu_mul.restype = None
+    lib.silu_mul.argtypes = [ptr, i64, i64, ptr]
     return lib
 
 
@@ -140,4 +153,38 @@ def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
     lib.argmax_rows(
         logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr()
     )
+    return out
+
+
+def rms_norm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [N, D] fp32 (rows may be strided), residual [N, D] contiguous or None, weight [D] ->
+    (weight * normalized s, s) with s = x + residual, or (weight * normalized x, None)."""
+    rows, dim = x.shape
+    out = torch.empty((rows, dim), dtype=x.dtype)
+    summed = None if residual is None else torch.empty((rows, dim), dtype=x.dtype)
+    lib.rms_norm(
+        x.data_ptr(),
+        x.stride(0),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        eps,
+        rows,
+        dim,
+        out.data_ptr(),
+        None if summed is None else summed.data_ptr(),
+    )
+    return out, summed
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [N, 2I] fp32 contiguous (rows: gate, then up) -> silu(gate) * up [N, I]."""
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    lib.silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
     return out

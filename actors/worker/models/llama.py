@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actorserve.kernels import AttentionOps
+from actorserve.kernels.elementwise import rms_norm, silu_mul
 
 from .config import ModelConfig, RopeScaling
 
@@ -44,11 +45,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x -> normed x; with the residual stream: (normed(x + residual), x + residual)."""
+        normed, summed = rms_norm(x, residual, self.weight, self.eps)
+        return normed if residual is None else (normed, summed)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -157,8 +157,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -172,12 +171,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) -> (this layer's MLP output, the residual stream before it): the
+        stream is residual + h, each sublayer's output added to it inside the next norm (the
+        first layer's h is the embedding, with no residual yet)."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -216,9 +224,10 @@ class CausalLM(nn.Module):
         """
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary(positions, h.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, rope, kv_cache, meta)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, rope, kv_cache, meta)
+        return self.model.norm(h, residual)[0]
 
     def use_column_major_weights(self) -> None:
         """Store each projection's weight [out, in] column-major (its transpose contiguous).

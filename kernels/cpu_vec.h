@@ -1,0 +1,79 @@
+/* Vector helpers shared by the CPU kernels (cpu_decode.c, cpu_elementwise.c): GCC vector
+ * extensions of VW floats (16 with AVX-512, 8 with AVX, else 4) plus FMA / max intrinsics where
+ * the target has them; -std=c11 keeps gcc from contracting a * b + c by itself. */
+#ifndef ACTORSERVE_CPU_VEC_H
+#define ACTORSERVE_CPU_VEC_H
+
+#include <stdint.h>
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef int32_t vi __attribute__((vector_size(4 * VW)));
+/* The same vector in memory at any float alignment, aliasing anything. */
+typedef float vf_mem __attribute__((vector_size(4 * VW), aligned(4), may_alias));
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE vf load(const float *p) { return *(const vf_mem *)p; }
+INLINE void store(float *p, vf v) { *(vf_mem *)p = v; }
+INLINE vf splat(float x) { return x - (vf){0}; } /* exact for every x, unlike (vf){0} + x */
+INLINE vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+INLINE vf vmax(vf a, vf b) {
+#if VW == 16
+    return _mm512_max_ps(a, b);
+#elif VW == 8
+    return _mm256_max_ps(a, b);
+#elif defined(__SSE__)
+    return _mm_max_ps(a, b);
+#else
+    return vselect(a > b, a, b);
+#endif
+}
+
+INLINE vf fmadd(vf a, vf b, vf c) { /* a * b + c */
+#if VW == 16
+    return _mm512_fmadd_ps(a, b, c);
+#elif VW == 8 && defined(__FMA__)
+    return _mm256_fmadd_ps(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
+/* exp(x) for x <= 0 (-inf included: gives 0), Cephes' expf polynomial: within 2 ulp of expf
+ * down to x = -87.3; below that (where expf goes subnormal) 0. */
+INLINE vf vexp(vf x) {
+    const vf lo = splat(-87.33654f), magic = splat(12582912.0f); /* 1.5 * 2^23 */
+    const vi underflow = x < lo;
+    x = vmax(x, lo);
+    /* n = round(x / ln 2) via the magic number: its low mantissa bits hold n */
+    const vf t = x * splat(1.44269504088896341f) + magic;
+    const vf n = t - magic;
+    const vi ni = (vi)t - (vi)magic;
+    x = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f); /* ln 2, hi + lo parts */
+    vf y = splat(1.9875691500e-4f);
+    y = y * x + splat(1.3981999507e-3f);
+    y = y * x + splat(8.3334519073e-3f);
+    y = y * x + splat(4.1665795894e-2f);
+    y = y * x + splat(1.6666665459e-1f);
+    y = y * x + splat(5.0000001201e-1f);
+    y = y * (x * x) + x + splat(1.0f);
+    y *= (vf)((ni + 127) << 23); /* 2^n, n in [-126, 0] */
+    return (vf)(~underflow & (vi)y);
+}
+
+#endif

@@ -1,0 +1,45 @@
+"""The decoder's elementwise steps, fused: in C (kernels/cpu_elementwise.c) for fp32 tensors on
+the CPU, where torch would make one pass over the rows per op; plain torch everywhere else (and
+where the C library could not be built). Same math as Hugging Face's Llama modules."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import native
+
+
+def _c_library(*tensors: torch.Tensor):
+    """The C library when every tensor is an fp32 CPU matrix with contiguous rows, else None."""
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 2 or t.stride(-1) != 1:
+            return None
+    return native.load()
+
+
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """LlamaRMSNorm of s = x + residual (of x alone when residual is None) -> (normed, s or None).
+
+    x [..., D]; the C path takes [N, D] with contiguous rows and a contiguous residual."""
+    if residual is None or residual.is_contiguous():
+        lib = _c_library(x) if weight.dtype == torch.float32 else None
+        if lib is not None:
+            return native.rms_norm(lib, x, residual, weight, eps)
+    if residual is not None:
+        x = residual = x + residual
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype), residual
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [N, 2I] (gate columns, then up) -> silu(gate) * up [N, I], as LlamaMLP."""
+    lib = _c_library(gate_up) if gate_up.is_contiguous() else None
+    if lib is not None:
+        return native.silu_mul(lib, gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,57 @@
+"""The fused elementwise steps (kernels/elementwise.py: C on CPU fp32, torch elsewhere) give
+Hugging Face's Llama math: RMSNorm with and without its residual add, and SiLU-and-multiply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from actorserve.kernels import elementwise, native
+
+TOL = dict(rtol=2e-6, atol=2e-6)
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def test_the_c_library_builds_here():
+    assert native.load() is not None
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 256), (64, 256), (2048, 256), (7, 80), (3, 4100)])
+def test_rms_norm_with_and_without_the_residual(rows, dim):
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen)
+    weight = torch.randn(dim, generator=gen)
+    normed, summed = elementwise.rms_norm(x, None, weight, 1e-6)
+    assert summed is None
+    torch.testing.assert_close(normed, hf_rms_norm(x, weight, 1e-6), **TOL)
+    normed, summed = elementwise.rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, x + residual)
+    torch.testing.assert_close(normed, hf_rms_norm(x + residual, weight, 1e-5), **TOL)
+
+
+def test_rms_norm_takes_strided_rows_and_falls_back_for_other_shapes():
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(5, 300, generator=gen)
+    weight = torch.randn(64, generator=gen)
+    strided = wide[:, 10:74]  # rows 300 floats apart
+    torch.testing.assert_close(
+        elementwise.rms_norm(strided, None, weight, 1e-6)[0], hf_rms_norm(strided, weight, 1e-6)
+    )
+    heads = torch.randn(5, 4, 64, generator=gen)  # [T, H, D]: Qwen3's q/k norm, torch path
+    torch.testing.assert_close(
+        elementwise.rms_norm(heads, None, weight, 1e-6)[0], hf_rms_norm(heads, weight, 1e-6)
+    )
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 768), (64, 768), (2048, 768), (3, 37)])
+def test_silu_mul(rows, inter):
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 8  # both tails of the sigmoid
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(elementwise.silu_mul(gate_up), F.silu(gate) * up, **TOL)
