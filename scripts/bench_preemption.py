@@ -33,8 +33,10 @@ CONFIGS = [
 def workload(n: int, seed: int, vocab: int = 32000):
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 256))] for _ in range(n)]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=rng.randint(32, 256))
-              for _ in range(n)]
+    params = [
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=rng.randint(32, 256))
+        for _ in range(n)
+    ]
     return prompts, params
 
 
@@ -51,9 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts, params = workload(args.requests, args.seed)
     rows, reference = [], None
     for mode, victim in CONFIGS:
-        with LLM(model, num_kv_blocks=args.num_kv_blocks, max_model_len=args.num_kv_blocks * 16,
-                 preemption_mode=mode, preemption_victim=victim, enable_prefix_caching=False,
-                 torch_threads=args.threads) as llm:
+        with LLM(
+            model,
+            num_kv_blocks=args.num_kv_blocks,
+            max_model_len=args.num_kv_blocks * 16,
+            preemption_mode=mode,
+            preemption_victim=victim,
+            enable_prefix_caching=False,
+            torch_threads=args.threads,
+        ) as llm:
             started = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - started
@@ -61,17 +69,35 @@ def main(argv: list[str] | None = None) -> int:
         tokens = [o.token_ids for o in outputs]
         reference = reference or tokens
         generated = sum(len(t) for t in tokens)
-        rows.append({"mode": mode, "victim": victim, "preemptions": stats.num_preemptions,
-                     "swaps": stats.num_swaps, "recomputed_tokens": stats.num_recomputed_tokens,
-                     "wall_s": wall, "output_tok_s": generated / wall,
-                     "same_output": tokens == reference})
-    print(format_table(rows, [
-        Column("mode", "mode"), Column("victim", "victim"),
-        Column("preemptions", "preemptions"), Column("swaps", "swaps"),
-        Column("recomputed_tokens", "KV tokens recomputed"), Column("wall_s", "wall s", "{:.2f}"),
-        Column("output_tok_s", "output tok/s", "{:.0f}"), Column("same_output", "same output"),
-    ], title=f"\n{args.requests} greedy requests, {args.num_kv_blocks} KV blocks of 16 tokens, "
-             f"{model.name}"))
+        rows.append(
+            {
+                "mode": mode,
+                "victim": victim,
+                "preemptions": stats.num_preemptions,
+                "swaps": stats.num_swaps,
+                "recomputed_tokens": stats.num_recomputed_tokens,
+                "wall_s": wall,
+                "output_tok_s": generated / wall,
+                "same_output": tokens == reference,
+            }
+        )
+    print(
+        format_table(
+            rows,
+            [
+                Column("mode", "mode"),
+                Column("victim", "victim"),
+                Column("preemptions", "preemptions"),
+                Column("swaps", "swaps"),
+                Column("recomputed_tokens", "KV tokens recomputed"),
+                Column("wall_s", "wall s", "{:.2f}"),
+                Column("output_tok_s", "output tok/s", "{:.0f}"),
+                Column("same_output", "same output"),
+            ],
+            title=f"\n{args.requests} greedy requests, {args.num_kv_blocks} KV blocks of 16 "
+            f"tokens, {model.name}",
+        )
+    )
     write_json(args.json, rows)
     return 0
 

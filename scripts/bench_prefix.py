@@ -30,8 +30,10 @@ from actorserve.messages.common import SamplingParams  # noqa: E402
 def workload(requests: int, system_tokens: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     system = [rng.randrange(3, vocab) for _ in range(system_tokens)]
-    return [system + [rng.randrange(3, vocab) for _ in range(rng.randint(8, 48))]
-            for _ in range(requests)]
+    return [
+        system + [rng.randrange(3, vocab) for _ in range(rng.randint(8, 48))]
+        for _ in range(requests)
+    ]
 
 
 async def measure(address: str, prompts, max_tokens: int) -> tuple[list[float], float]:
@@ -54,9 +56,13 @@ def run(model: Path, caching: bool, prompts, max_tokens: int, threads: int | Non
         address = stack.supervisor.client_address
         asyncio.run(measure(address, [[5] * 32], 1))  # warm-up: shares nothing with the workload
         ttfts, wall = asyncio.run(measure(address, prompts, max_tokens))
-    return {"prefix_caching": "on" if caching else "off", "requests": len(prompts),
-            "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
-            "wall_s": wall}
+    return {
+        "prefix_caching": "on" if caching else "off",
+        "requests": len(prompts),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "wall_s": wall,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,17 +78,27 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model(args.model)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     prompts = workload(args.requests, args.system_tokens, vocab, args.seed)
-    rows = [run(model, caching, prompts, args.max_tokens, args.threads)
-            for caching in (False, True)]
+    rows = [
+        run(model, caching, prompts, args.max_tokens, args.threads) for caching in (False, True)
+    ]
     speedup = rows[0]["ttft_p50_s"] / rows[1]["ttft_p50_s"]
     for row in rows:
         row["ttft_speedup"] = speedup if row["prefix_caching"] == "on" else 1.0
-    print(format_table(rows, [
-        Column("prefix_caching", "prefix cache"), Column("requests", "requests"),
-        Column("ttft_p50_s", "TTFT p50 s", "{:.3f}"), Column("ttft_p90_s", "TTFT p90 s", "{:.3f}"),
-        Column("wall_s", "wall s", "{:.2f}"), Column("ttft_speedup", "p50 speedup", "{:.1f}x"),
-    ], title=f"\n{args.requests} requests sharing a {args.system_tokens}-token system prompt, "
-             f"{model.name}"))
+    print(
+        format_table(
+            rows,
+            [
+                Column("prefix_caching", "prefix cache"),
+                Column("requests", "requests"),
+                Column("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
+                Column("ttft_p90_s", "TTFT p90 s", "{:.3f}"),
+                Column("wall_s", "wall s", "{:.2f}"),
+                Column("ttft_speedup", "p50 speedup", "{:.1f}x"),
+            ],
+            title=f"\n{args.requests} requests sharing a {args.system_tokens}-token system prompt, "
+            f"{model.name}",
+        )
+    )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"ttft_speedup": speedup, "rows": rows}, indent=2))
