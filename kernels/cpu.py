@@ -22,8 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import native
-from .reference import store_kv
+from . import native, reference
 
 __all__ = ["CpuAttention", "argmax_rows", "store_kv"]
 
@@ -144,6 +143,8 @@ class CpuAttention:
         out = self._native_decode(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
         )
+        if out is not None and q.shape[0] == seq_lens.shape[0]:
+            return out  # one token per sequence: all decodes, the C kernel did every row
         layout = self._step_layout(block_tables, seq_lens, query_start_loc, block_size)
         if out is None:
             out = torch.empty_like(q)
@@ -188,3 +189,22 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         if lib is not None:
             return native.argmax_rows(lib, logits)
     return logits.max(dim=-1).indices
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """kernels.reference.store_kv's contract; in C (kernels/cpu_store_kv.c) for fp32 caches."""
+    tensors = (k, v, k_cache, v_cache)
+    fits = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    fits = fits and k_cache.is_contiguous() and v_cache.is_contiguous()
+    fits = fits and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+    lib = native.load() if fits and slot_mapping.dtype == torch.int64 else None
+    if lib is None:
+        reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
+    native.store_kv(lib, k, v, k_cache, v_cache, slot_mapping.contiguous())

@@ -1,6 +1,7 @@
 """Build and load the CPU kernels in C, one library: kernels/cpu_decode.c (decode attention
-reading the paged cache directly), cpu_argmax.c (greedy sampling's argmax) and cpu_elementwise.c
-(fused RMSNorm with its residual add, SiLU-and-multiply), with cpu_vec.h.
+reading the paged cache directly), cpu_store_kv.c (writing this step's K/V into it), cpu_argmax.c
+(greedy sampling's argmax) and cpu_elementwise.c (fused RMSNorm with its residual add,
+SiLU-and-multiply), with cpu_vec.h.
 
 Built with the machine's C compiler on first use (under a second on gcc) into a per-user cache,
 named by a hash of the source, the flags, the compiler and the CPU, so a changed file or another
@@ -28,7 +29,9 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / name for name in ("cpu_decode.c", "cpu_argmax.c", "cpu_elementwise.c"))
+SOURCES = tuple(
+    HERE / name for name in ("cpu_decode.c", "cpu_argmax.c", "cpu_elementwise.c", "cpu_store_kv.c")
+)
 HEADERS = (HERE / "cpu_vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm")
 CACHE_ENV = "ACTORSERVE_KERNEL_CACHE"
@@ -106,6 +109,8 @@ def load() -> ctypes.CDLL | None:
     lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
+    lib.store_kv.restype = ctypes.c_int
+    lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
     lib.silu_mul.restype = None
     lib.silu_mul.argtypes = [ptr, i64, i64, ptr]
     return lib
@@ -188,3 +193,30 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
     lib.silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
     return out
+
+
+def store_kv(
+    lib: ctypes.CDLL,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k, v [T, Hkv, D] fp32 (each token's Hkv x D contiguous), caches contiguous, slot_mapping
+    [T] int64 contiguous; as kernels.reference.store_kv."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    status = lib.store_kv(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        slot_mapping.data_ptr(),
+        slot_mapping.numel(),
+        num_kv_heads * head_dim,
+        k_cache.shape[0] * block_size,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+    )
+    if status != 0:
+        raise IndexError(f"store_kv: a slot lies past the cache's {k_cache.shape[0]} blocks")

@@ -2,7 +2,7 @@
 the C kernel that reads the paged cache directly (kernels/cpu_decode.c) and the grouped torch
 path kept for machines without a compiler. Decodes of many lengths, prefill chunks with and
 without a cached prefix, GQA and MHA, head sizes, block sizes, junk past a sequence's blocks, and
-the per-step layout reused across layers (and not across steps). Also the greedy argmax
+the per-step layout reused across layers (and not across steps). Also store_kv and the argmax
 (kernels/cpu_argmax.c) against torch's max(dim=-1).indices."""
 
 from __future__ import annotations
@@ -110,3 +110,17 @@ def test_argmax_rows_is_the_first_maximum_of_each_row(shape):
         assert torch.equal(cpu.argmax_rows(logits), logits.max(dim=-1).indices)
     strided = torch.randn(shape[0], shape[1] + 7, generator=gen)[:, 3 : 3 + shape[1]]
     assert torch.equal(cpu.argmax_rows(strided), strided.max(dim=-1).indices)
+
+
+def test_store_kv_matches_the_reference_from_strided_rows_and_skips_minus_one():
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(6, 8, 64, generator=gen)  # [T, Hq + 2 Hkv, D] like the fused projection
+    k, v = qkv[:, 4:6], qkv[:, 6:8]
+    slots = torch.tensor([3, 17, -1, 40, 0, 63])
+    ours = [torch.zeros(4, 16, 2, 64) for _ in range(2)]
+    ref = [torch.zeros(4, 16, 2, 64) for _ in range(2)]
+    cpu.store_kv(k, v, *ours, slots)
+    reference.store_kv(k, v, *ref, slots)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    with pytest.raises(IndexError):
+        cpu.store_kv(k, v, *ours, torch.tensor([3, 17, -1, 64, 0, 1]))
