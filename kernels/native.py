@@ -7,8 +7,8 @@ Built with the machine's C compiler on first use (under a second on gcc) into a 
 named by a hash of the source, the flags, the compiler and the CPU, so a changed file or another
 machine never loads a stale library. The library is linked against the OpenMP runtime that torch
 already has loaded (libgomp.so.1 is matched by soname), so the kernel and torch share one thread
-pool. Where there is no compiler, or the build fails, `load()` returns None and kernels/cpu.py
-keeps its torch path; the reason is logged once.
+pool. Where there is no compiler, or the build fails, `load()` returns None and the callers
+(kernels/cpu.py, kernels/elementwise.py) keep their torch paths; the reason is logged once.
 """
 
 from __future__ import annotations
@@ -95,11 +95,11 @@ def load() -> ctypes.CDLL | None:
     try:
         path = build()
         if path is None:
-            log.warning("no C compiler: CPU decode attention stays on the torch path")
+            log.warning("no C compiler: the CPU kernels stay on their torch paths")
             return None
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("CPU decode kernel unavailable (%s): using the torch path", exc)
+        log.warning("CPU kernels in C unavailable (%s): using the torch paths", exc)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.decode_attention.restype = ctypes.c_int
