@@ -236,9 +236,10 @@ class Engine(Actor):
         if not aborted:
             return
         self.send("scheduler", AbortRequests(aborted))
-        for cid in aborted:
-            live = self._retire(cid)
-            self.reply(live.identity, self._delta(live, "", [], FinishReason.ABORT))
+        retired = [self._retire(cid) for cid in aborted]
+        self._send_deltas(
+            [(live, self._delta(live, "", [], FinishReason.ABORT)) for live in retired]
+        )
         self._maybe_drained()
 
     def _retire(self, request_id: str) -> LiveRequest:
@@ -254,7 +255,7 @@ class Engine(Actor):
     # -- outputs -----------------------------------------------------------------------------
 
     def on_tokens_out(self, message: TokensOut) -> None:
-        replies: dict[bytes, list[Delta]] = {}  # one message per client identity
+        deltas: list[tuple[LiveRequest, Delta]] = []
         for output in message.outputs:
             live = self.live.get(output.request_id)
             if live is None:  # aborted by the client already
@@ -270,16 +271,23 @@ class Engine(Actor):
                     self.send("scheduler", AbortRequests([output.request_id]))
             if reason is not None:
                 self._retire(output.request_id)
-                self._maybe_drained()
             delta = self._delta(live, text, output.token_ids, reason)
             delta.cached_tokens = output.cached_tokens
             if output.logprobs:
                 delta.logprobs = output.logprobs
             if first and output.prompt_logprobs is not None:
                 delta.prompt_logprobs = output.prompt_logprobs
-            replies.setdefault(live.identity, []).append(delta)
-        for identity, deltas in replies.items():
-            self.reply(identity, deltas[0] if len(deltas) == 1 else DeltaBatch(deltas))
+            deltas.append((live, delta))
+        self._send_deltas(deltas)
+        self._maybe_drained()  # after the last deltas went out
+
+    def _send_deltas(self, deltas: list[tuple[LiveRequest, Delta]]) -> None:
+        """One message per client: its Delta, or its deltas as one DeltaBatch."""
+        by_client: dict[bytes, list[Delta]] = {}
+        for live, delta in deltas:
+            by_client.setdefault(live.identity, []).append(delta)
+        for identity, batch in by_client.items():
+            self.reply(identity, batch[0] if len(batch) == 1 else DeltaBatch(batch))
 
     @staticmethod
     def _delta(live: LiveRequest, text: str, token_ids: list[int], reason) -> Delta:

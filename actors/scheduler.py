@@ -121,20 +121,20 @@ class Request:
         """Tokens to compute, counting one per sample in flight (the Worker already has it)."""
         return len(self.token_ids) + self.samples_in_flight - self.num_scheduled
 
+    def _at_length_limit(self, length: int, max_model_len: int) -> bool:
+        """A request of `length` tokens has reached max_tokens or max_model_len."""
+        return length - self.num_prompt_tokens >= self.params.max_tokens or length >= max_model_len
+
     def ends_in_flight(self, max_model_len: int) -> bool:
         """The samples in flight take it to max_tokens or max_model_len."""
-        if not self.samples_in_flight:
-            return False
         length = len(self.token_ids) + self.samples_in_flight
-        return length - self.num_prompt_tokens >= self.params.max_tokens or (
-            length >= max_model_len
-        )
+        return self.samples_in_flight > 0 and self._at_length_limit(length, max_model_len)
 
     def finish_reason(self, max_model_len: int) -> FinishReason | None:
         """Checked after each sampled token: stop tokens (after min_tokens), then length limits."""
         if self.num_output >= self.params.min_tokens and self.token_ids[-1] in self.stops:
             return FinishReason.STOP
-        if self.num_output >= self.params.max_tokens or len(self.token_ids) >= max_model_len:
+        if self._at_length_limit(len(self.token_ids), max_model_len):
             return FinishReason.LENGTH
         return None
 
@@ -197,8 +197,7 @@ class Scheduler(Actor):
         self.schedule()
 
     def _enqueue(self, request: Request) -> None:
-        keys = [r.queue_key for r in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, request.queue_key), request)
+        bisect.insort(self.waiting, request, key=lambda r: r.queue_key)
 
     def on_abort_requests(self, message: AbortRequests) -> None:
         aborted = [self.requests[rid] for rid in message.request_ids if rid in self.requests]
@@ -279,14 +278,12 @@ class Scheduler(Actor):
             if count > 0:
                 counts[request.request_id] = count
                 budget -= count
-        self.pending_told = {rid: self.running[rid].told_block_manager for rid in counts}
+        pending = {rid: self.running[rid] for rid in counts}
+        self.pending_told = {rid: r.told_block_manager for rid, r in pending.items()}
         needs = [
             self._need(r, counts[r.request_id], False)
-            for r in sorted(
-                (r for r in self.running.values() if r.request_id in counts), key=self._victim_last
-            )
+            for r in sorted(pending.values(), key=self._victim_last)
         ]
-        pending = {r.request_id: r for r in self.running.values() if r.request_id in counts}
         # Waiting candidates: the BlockManager spends the budget on what is left after prefix
         # cache hits, so offer more prompt tokens than the budget (bounded, to keep the
         # message small while a long queue waits).
@@ -378,14 +375,11 @@ class Scheduler(Actor):
         if message.epoch != self.epoch or message.step_id != self.step_id or self.pending is None:
             return  # stale: from before a reset
         pending, self.pending = self.pending, None
-        if self.pending_overlapped and any(r in self.running for r in message.denied):
-            self._refused(message.denied)
-            self.overlap_paused = True
-            self.schedule()  # plans now if the step in flight finished meanwhile
-            return
-        for rid in message.denied:  # not admitted: the BlockManager forgot what it was told
+        # Denied: the BlockManager did not take this need's tokens. A new request starts over;
+        # a running one (an overlapped step the BlockManager refused whole) is as before it.
+        for rid in message.denied:
             if rid in self.requests:
-                self.requests[rid].told_block_manager = 0
+                self.requests[rid].told_block_manager = self.pending_told.get(rid, 0)
         for rids, swapped in ((message.preempted, False), (message.swapped, True)):
             for rid in rids:
                 if rid in self.requests:  # else aborted while the allocation was on its way
@@ -435,27 +429,20 @@ class Scheduler(Actor):
                     num_computed_tokens=grant.num_computed,
                 )
             )
-        if not in_flight:  # everything was preempted or denied: the pool changed, try again
+        if not in_flight:  # everything was preempted, denied or refused
             if plan.removed or plan.swap_out:
                 plan.swap_in = []
                 self.send("worker", plan)
-            if self.pending_overlapped:
+            if self.pending_overlapped:  # wait for the step in flight (unless it is done)
                 self.overlap_paused = True
-                self.schedule()  # plans now if the step in flight finished meanwhile
-            elif message.preempted or message.swapped:
+                self.schedule()
+            elif message.preempted or message.swapped:  # the pool changed: try again
                 self.schedule()
             return
         self.in_flight.append((self.step_id, in_flight))
         self.num_overlapped_steps += self.pending_overlapped
         self.send("worker", plan)
         self.schedule()  # the next step, planned while this one runs
-
-    def _refused(self, request_ids: list[str]) -> None:
-        """An overlapped step the BlockManager refused: it changed nothing, so neither do we."""
-        for rid in request_ids:
-            request = self.requests.get(rid)
-            if request is not None:
-                request.told_block_manager = self.pending_told.get(rid, 0)
 
     def on_step_result(self, message: StepResult) -> None:
         if message.epoch != self.epoch or not self.in_flight:

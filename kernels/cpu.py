@@ -100,18 +100,22 @@ class CpuAttention:
 
     def __init__(self, use_native: bool = True) -> None:
         self.native = native.load() if use_native else None
-        self._key: tuple[int, tuple[torch.Tensor, ...]] | None = None
+        self._key: tuple[int, bool, tuple[torch.Tensor, ...]] | None = None
         self._layout = _Layout([], [])
 
-    def _step_layout(self, block_tables, seq_lens, query_start_loc, block_size: int) -> _Layout:
+    def _step_layout(
+        self, block_tables, seq_lens, query_start_loc, block_size: int, with_decode: bool
+    ) -> _Layout:
+        """The step's prefill chunks, and its decode groups when the torch path serves them."""
         tensors = (block_tables, seq_lens, query_start_loc)
-        if self._key is not None and self._key[0] == block_size and _same(self._key[1], tensors):
+        key = self._key
+        if key is not None and key[:2] == (block_size, with_decode) and _same(key[2], tensors):
             return self._layout
         starts = query_start_loc.tolist()
         lens = seq_lens.tolist()
-        decode = [] if self.native else _decode_groups(block_tables, lens, starts, block_size)
+        decode = _decode_groups(block_tables, lens, starts, block_size) if with_decode else []
         self._layout = _Layout(decode, _prefills(block_tables, lens, starts, block_size))
-        self._key = (block_size, tuple(t.clone() for t in tensors))
+        self._key = (block_size, with_decode, tuple(t.clone() for t in tensors))
         return self._layout
 
     def _native_decode(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
@@ -145,13 +149,13 @@ class CpuAttention:
         )
         if out is not None and q.shape[0] == seq_lens.shape[0]:
             return out  # one token per sequence: all decodes, the C kernel did every row
-        layout = self._step_layout(block_tables, seq_lens, query_start_loc, block_size)
-        if out is None:
+        torch_decode = out is None
+        layout = self._step_layout(
+            block_tables, seq_lens, query_start_loc, block_size, with_decode=torch_decode
+        )
+        if torch_decode:
             out = torch.empty_like(q)
-            decode = layout.decode or _decode_groups(
-                block_tables, seq_lens.tolist(), query_start_loc.tolist(), block_size
-            )
-            for g in decode:
+            for g in layout.decode:
                 _grouped_decode(q, k_cache, v_cache, g, scale, gqa, out)
         for p in layout.prefill:
             k = k_cache.index_select(0, p.blocks).view(1, -1, num_kv_heads, head_dim)

@@ -38,10 +38,6 @@ class CachedRequest:
     new: NewRequest  # the params and identity as first received
     stop_token_ids: list[int]
 
-    @property
-    def block_ids(self) -> list[int]:
-        return self.blocks[: self.num_blocks].tolist()
-
     def add_blocks(self, block_ids: list[int]) -> None:
         end = self.num_blocks + len(block_ids)
         if end > len(self.blocks):
