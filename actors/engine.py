@@ -266,9 +266,10 @@ class Engine(Actor):
             reason = output.finish_reason
             if live.stop_strings is not None:
                 text, matched = live.stop_strings.feed(text, final=reason is not None)
-                if matched and reason is None:
+                if matched:  # a stop string wins over the length limit of the same token
+                    if reason is None:
+                        self.send("scheduler", AbortRequests([output.request_id]))
                     reason = FinishReason.STOP
-                    self.send("scheduler", AbortRequests([output.request_id]))
             if reason is not None:
                 self._retire(output.request_id)
             delta = self._delta(live, text, output.token_ids, reason)

@@ -204,6 +204,17 @@ def test_a_stop_string_ends_the_stream_there_and_frees_the_request(engine):
     assert kept.text == full.text[: full.text.index(stop) + len(stop)]
 
 
+def test_a_stop_string_completed_by_the_last_allowed_token_finishes_with_stop(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    full = engine.client.complete("def main():", params)
+    assert full.finish_reason.value == "length" and full.text
+    # The whole text as the stop string: it is complete only with the 8th token, the last one
+    # max_tokens allows, and the stop string decides the finish reason.
+    cut = engine.client.complete("def main():", msgspec.structs.replace(params, stop=[full.text]))
+    assert cut.finish_reason.value == "stop" and cut.text == ""
+    assert cut.token_ids == full.token_ids
+
+
 def test_a_client_with_many_streams_gets_each_steps_deltas_in_one_message(engine):
     """Four requests on one DEALER: their deltas of a step come as one DeltaBatch, and every
     request still gets all its tokens, in order, ending with its finish reason."""
