@@ -21,6 +21,17 @@ from .actors.supervisor import BackgroundSupervisor, Supervisor, SupervisorError
 from .gateway.client import Client, EngineError
 from .messages.common import SamplingParams
 
+
+def _flag(value: str) -> bool:
+    """An on/off flag's value: 1/true/yes/on or 0/false/no/off, anything else an error."""
+    word = value.lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
 ENGINE_FLAGS = [  # (flag, EngineConfig field, type)
     ("--block-size", "block_size", int),
     ("--num-kv-blocks", "num_kv_blocks", int),
@@ -38,8 +49,8 @@ ENGINE_FLAGS = [  # (flag, EngineConfig field, type)
     ("--max-restarts", "max_restarts", int),
     ("--restart-window-s", "restart_window_s", float),
     ("--drain-timeout-s", "drain_timeout_s", float),
-    ("--enable-prefix-caching", "enable_prefix_caching", lambda v: v.lower() in ("1", "true")),
-    ("--async-scheduling", "async_scheduling", lambda v: v.lower() in ("1", "true")),
+    ("--enable-prefix-caching", "enable_prefix_caching", _flag),
+    ("--async-scheduling", "async_scheduling", _flag),
     ("--preemption-mode", "preemption_mode", str),
     ("--preemption-victim", "preemption_victim", str),
     ("--num-cpu-blocks", "num_cpu_blocks", int),

@@ -165,6 +165,19 @@ def test_four_actors_are_distinct_live_processes_under_the_supervisor(engine):
         assert parent_pid(actor.pid) == engine.proc.pid
 
 
+@pytest.mark.parametrize("value", ["maybe", "2"])
+def test_cli_refuses_an_on_off_flag_that_is_neither(llama_dir, value):
+    out = subprocess.run(
+        [sys.executable, "-m", "actorserve.cli", "serve", "--model", str(llama_dir)]
+        + ["--enable-prefix-caching", value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "--enable-prefix-caching" in out.stderr and "expected true or false" in out.stderr
+
+
 def test_cli_generate_streams_a_completion_through_a_running_engine(engine):
     out = subprocess.run(
         [
