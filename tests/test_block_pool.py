@@ -146,10 +146,12 @@ def test_a_hash_match_with_other_tokens_is_not_a_hit():
 def test_free_is_idempotent_and_evicts_least_recently_freed_first():
     pool = BlockPool(4, BS)
     pool.allocate_step([new("a", list(range(20)))])
+    a_full, a_partial = pool.tables["a"]
     assert pool.free("a") == 2 and pool.free("a") == 0 and pool.free("never") == 0
     assert pool.num_free == 4
-    pool.allocate_step([new("b", [5] * 40)])  # 3 blocks: takes the 2 never-used ones first
-    assert len(pool.cached) >= 1  # a's first full block survived
+    pool.allocate_step([new("b", [5] * 40)])  # 3 blocks: the 2 never used, then a's last one
+    assert a_partial in pool.tables["b"] and a_full not in pool.tables["b"]
+    assert pool.cached[pool.blocks[a_full].hash] == a_full  # a's full block is still cached
     consistent(pool)
 
 

@@ -240,17 +240,16 @@ def test_a_client_with_many_streams_gets_each_steps_deltas_in_one_message(engine
     socket = ctx.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.RCVTIMEO, 60_000)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     rids = [f"batch-{i}" for i in range(4)]
+    prompts = {rid: [1, 5 + i] * 3 for i, rid in enumerate(rids)}
     tokens: dict[str, list[int]] = {rid: [] for rid in rids}
     finished: set[str] = set()
     batches = 0
     try:
         socket.connect(engine.address)
-        for i, rid in enumerate(rids):
-            socket.send(
-                encode(GenerateRequest(rid, prompt_token_ids=[1, 5 + i] * 3, params=params))
-            )
+        for rid in rids:
+            socket.send(encode(GenerateRequest(rid, prompt_token_ids=prompts[rid], params=params)))
         decoder = Decoder(EngineToClient)
         while finished != set(rids):
             message = decoder.decode(socket.recv())
@@ -265,4 +264,5 @@ def test_a_client_with_many_streams_gets_each_steps_deltas_in_one_message(engine
         socket.close()
         ctx.term()
     assert batches > 0
-    assert all(len(ids) == 12 for ids in tokens.values())
+    for rid in rids:  # the same tokens, in the same order, as the request alone
+        assert tokens[rid] == engine.client.complete(prompts[rid], params).token_ids
