@@ -81,17 +81,10 @@ class LLM:
         bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
 
         async def one(prompt, p: SamplingParams) -> Completion:
-            samples = [Sample("", [], None) for _ in range(p.n)]
-            prompt_tokens = cached = 0
-            async for delta in client.generate(prompt, p):
-                sample = samples[delta.index]
-                sample.text += delta.text
-                sample.token_ids.extend(delta.token_ids)
-                sample.finish_reason = delta.finish_reason or sample.finish_reason
-                prompt_tokens = delta.prompt_tokens or prompt_tokens
-                cached = delta.cached_tokens or cached
+            joined = await client.complete_all(prompt, p)
             bar.update(1)
-            return Completion(prompt, samples, prompt_tokens, cached)
+            samples = [Sample(d.text, d.token_ids, d.finish_reason) for d in joined]
+            return Completion(prompt, samples, joined[0].prompt_tokens, joined[0].cached_tokens)
 
         try:
             return await asyncio.gather(*[one(x, p) for x, p in zip(prompts, params)])

@@ -52,27 +52,9 @@ class EngineUnavailable(EngineError):
         super().__init__(message, "unavailable")
 
 
-def merge(first: Delta, then: Delta) -> Delta:
-    """Two consecutive deltas of one sample as one (text, token ids and logprobs joined)."""
-    logprobs = first.logprobs
-    if then.logprobs is not None:
-        logprobs = then.logprobs if logprobs is None else logprobs + then.logprobs
-    return Delta(
-        then.request_id,
-        first.text + then.text,
-        first.token_ids + then.token_ids,
-        then.finish_reason,
-        then.prompt_tokens,
-        then.completion_tokens,
-        then.cached_tokens or first.cached_tokens,
-        then.index,
-        logprobs,
-        first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
-    )
-
-
 def join(deltas: list[Delta]) -> Delta:
-    """All the deltas of one sample, in order, as one."""
+    """Consecutive deltas of one sample, in order, as one (cached_tokens, like the finish
+    reason, only ever comes with a sample's last delta)."""
     last = deltas[-1]
     logprobs = [lp for d in deltas for lp in d.logprobs or ()]
     return Delta(
@@ -89,6 +71,14 @@ def join(deltas: list[Delta]) -> Delta:
     )
 
 
+def join_samples(deltas: list[Delta]) -> list[Delta]:
+    """A request's deltas (its n samples interleaved) -> one joined Delta per sample, by index."""
+    parts: dict[int, list[Delta]] = {}
+    for delta in deltas:
+        parts.setdefault(delta.index, []).append(delta)
+    return [join(parts[i]) for i in sorted(parts)]
+
+
 class _Stream:
     """Pending output of one request: deltas merge, per sample index, while nobody reads them."""
 
@@ -101,7 +91,7 @@ class _Stream:
 
     def push(self, delta: Delta) -> None:
         held = self.pending.get(delta.index)
-        self.pending[delta.index] = delta if held is None else merge(held, delta)
+        self.pending[delta.index] = delta if held is None else join([held, delta])
         self.finished += delta.finished
         self.event.set()
 
@@ -248,6 +238,12 @@ class AsyncClient:
             if not finished:
                 await self.abort(rid)
 
+    async def complete_all(
+        self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0
+    ) -> list[Delta]:
+        """Every sample of the request (`params.n` of them) as one joined Delta, by index."""
+        return join_samples([d async for d in self.generate(prompt, params, priority=priority)])
+
     async def abort(self, request_id: str) -> None:
         await self._socket.send(encode(AbortRequest(request_id)))
 
@@ -328,10 +324,7 @@ class Client:
         self, prompt: str | list[int], params: SamplingParams | None = None
     ) -> list[Delta]:
         """Every sample of the request (`params.n` of them) as one joined Delta, by index."""
-        parts: dict[int, list[Delta]] = {}
-        for delta in self.generate(prompt, params):
-            parts.setdefault(delta.index, []).append(delta)
-        return [join(parts[i]) for i in sorted(parts)]
+        return join_samples(list(self.generate(prompt, params)))
 
     def abort(self, request_id: str) -> None:
         self._call(self._async.abort(request_id))

@@ -66,17 +66,6 @@ class TokenNames:
         return name
 
 
-_names: dict[int, TokenNames] = {}
-
-
-def token_names(tokenizer) -> TokenNames:
-    """The shared TokenNames of a tokenizer (None: ids spelt `token_id:N`)."""
-    key = id(tokenizer)
-    if key not in _names:
-        _names[key] = TokenNames(tokenizer)
-    return _names[key]
-
-
 def completion_logprobs(
     entries: list[TokenLogprobs], names: TokenNames, text_offset: int = 0
 ) -> tuple[CompletionLogprobs, int]:

@@ -20,8 +20,9 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..messages.client import Delta
-from ..messages.common import FinishReason, TokenLogprobs
-from .openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs, token_names
+from ..messages.common import FinishReason
+from .client import join_samples
+from .openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from .openai_protocol import (
     APIError,
     AssistantMessage,
@@ -141,30 +142,11 @@ async def primed(deltas: AsyncIterator[Delta]) -> tuple[Delta, AsyncIterator[Del
     return first, deltas
 
 
-class Sample:
-    """One choice of a whole (non-streamed) completion: its deltas joined."""
-
-    def __init__(self):
-        self.text: list[str] = []
-        self.logprobs: list[TokenLogprobs] = []
-        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
-        self.last: Delta | None = None
-
-    def add(self, delta: Delta) -> None:
-        self.text.append(delta.text)
-        self.logprobs.extend(delta.logprobs or ())
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
-        self.last = delta
-
-
-async def collect(deltas: AsyncIterator[Delta], n: int) -> list[Sample]:
-    """The n samples of a whole completion, by index; a sample the Engine failed (finish reason
-    `error`) makes it a 500."""
-    samples = [Sample() for _ in range(n)]
-    async for delta in deltas:
-        samples[delta.index].add(delta)
-    if any(s.last.finish_reason is FinishReason.ERROR for s in samples):
+async def collect(deltas: AsyncIterator[Delta], n: int) -> list[Delta]:
+    """The n samples of a whole completion, each joined, by index; a sample the Engine failed
+    (finish reason `error`) makes it a 500."""
+    samples = join_samples([delta async for delta in deltas])
+    if len(samples) != n or any(s.finish_reason is FinishReason.ERROR for s in samples):
         raise APIError(500, "the engine failed while generating this completion", None, "internal")
     return samples
 
@@ -183,10 +165,6 @@ def closing_events(body, lasts: dict[int, Delta], chunk_type, rid: str, created:
     yield SSE_DONE
 
 
-def _names(gateway: Gateway):
-    return token_names(gateway.chat.tokenizer if gateway.chat is not None else None)
-
-
 async def completions(request: Request, gateway: Gateway) -> Response:
     body = await read_body(request, CompletionRequest, gateway.settings.max_body_bytes)
     body.check()
@@ -196,23 +174,24 @@ async def completions(request: Request, gateway: Gateway) -> Response:
     params = body.sampling_params(max_tokens, body.logprobs)
     rid = f"cmpl-{uuid.uuid4().hex}"
     model, created = gateway.settings.model_id, now()
-    names = _names(gateway)
+    names = gateway.token_names
     deltas = gateway.generate(body.prompt_input(), params, rid, priority=body.priority)
     if not body.stream:
         samples = await until_disconnect(request, collect(deltas, body.n))
+        prompt = None
+        if body.prompt_logprobs is not None:  # sample 0 carries them; every choice repeats them
+            prompt = prompt_logprobs(samples[0].prompt_logprobs or [], names)
         choices = []
         for i, sample in enumerate(samples):
             logprobs = None
             if body.logprobs is not None:
-                logprobs = completion_logprobs(sample.logprobs, names)[0]
-            reason = finish_reason(sample.last.finish_reason)
-            text = "".join(sample.text)
-            if body.prompt_logprobs is None:
-                choices.append(CompletionChoice(i, text, logprobs, reason))
+                logprobs = completion_logprobs(sample.logprobs or [], names)[0]
+            reason = finish_reason(sample.finish_reason)
+            if prompt is None:
+                choices.append(CompletionChoice(i, sample.text, logprobs, reason))
             else:
-                prompt = prompt_logprobs(samples[0].prompt_logprobs or [], names)
-                choices.append(CompletionChoiceWithPrompt(i, text, logprobs, reason, prompt))
-        usage = usage_of([sample.last for sample in samples])
+                choices.append(CompletionChoiceWithPrompt(i, sample.text, logprobs, reason, prompt))
+        usage = usage_of(samples)
         return json_response(Completion(rid, choices, created, model, usage=usage))
     first, rest = await until_disconnect(request, primed(deltas))
     usage_each = body.stream_options is not None and body.stream_options.continuous_usage_stats
@@ -266,20 +245,20 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
     params = body.sampling_params(max_tokens, body.logprobs_count)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     model, created = gateway.settings.model_id, now()
-    names = _names(gateway)
+    names = gateway.token_names
     deltas = gateway.generate(prompt, params, rid, "messages", body.priority)
     if not body.stream:
         samples = await until_disconnect(request, collect(deltas, body.n))
         choices = [
             ChatChoice(
                 i,
-                AssistantMessage("".join(sample.text)),
-                chat_logprobs(sample.logprobs, names) if body.logprobs else None,
-                finish_reason(sample.last.finish_reason),
+                AssistantMessage(sample.text),
+                chat_logprobs(sample.logprobs or [], names) if body.logprobs else None,
+                finish_reason(sample.finish_reason),
             )
             for i, sample in enumerate(samples)
         ]
-        usage = usage_of([sample.last for sample in samples])
+        usage = usage_of(samples)
         if body.prompt_logprobs is None:
             return json_response(ChatCompletion(rid, choices, created, model, usage=usage))
         prompt_lps = prompt_logprobs(samples[0].prompt_logprobs or [], names)

@@ -19,6 +19,7 @@ from ..messages.client import Delta, HealthReply
 from ..messages.common import SamplingParams
 from .client import AsyncClient, EngineError
 from .metrics import Metrics
+from .openai_logprobs import TokenNames
 from .openai_protocol import APIError
 
 SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
@@ -65,6 +66,8 @@ class Gateway:
         self.client = client
         self.settings = settings
         self.chat = chat  # ChatTemplate, or None when chat is not offered
+        # token id -> text for logprobs, decoded once per id (ids spelt `token_id:N` without chat)
+        self.token_names = TokenNames(chat.tokenizer if chat is not None else None)
         self.metrics = Metrics(settings.model_id)
         self.active = 0
         self.draining = False
