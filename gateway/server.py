@@ -154,9 +154,11 @@ def create_app(client: AsyncClient, settings: GatewaySettings, chat=None) -> Fas
             gateway.metrics.refresh(None)
         return Response(gateway.metrics.exposition(), media_type=CONTENT_TYPE)
 
+    page = PLAYGROUND.read_text()  # read once, served as is
+
     @app.get("/")
     async def playground() -> HTMLResponse:
-        return HTMLResponse(PLAYGROUND.read_text())
+        return HTMLResponse(page)
 
     @app.websocket("/v1/stream")
     async def stream(websocket: WebSocket) -> None:
