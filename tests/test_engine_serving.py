@@ -17,6 +17,7 @@ from actorserve.messages.common import SamplingParams
 from support import (
     EngineServer,
     generate_concurrently,
+    hf_greedy,
     prompts_of_lengths,
     raw_exchange,
     tokenizer,
@@ -266,3 +267,18 @@ def test_a_client_with_many_streams_gets_each_steps_deltas_in_one_message(engine
     assert batches > 0
     for rid in rids:  # the same tokens, in the same order, as the request alone
         assert tokens[rid] == engine.client.complete(prompts[rid], params).token_ids
+
+
+def test_the_offline_api_returns_transformers_greedy_output_in_prompt_order(llama_dir):
+    from actorserve import LLM
+
+    prompts = prompts_of_lengths(llama_dir, [30, 5, 70])
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    with LLM(str(llama_dir), max_model_len=1024) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        (two,) = llm.generate(prompts[0], msgspec.structs.replace(params, n=2), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.prompt == prompt and out.prompt_tokens == len(prompt)
+        assert out.token_ids == hf_greedy(llama_dir, prompt, 10)
+        assert out.finish_reason.value in ("stop", "length")
+    assert [s.token_ids for s in two.samples] == [outputs[0].token_ids] * 2  # greedy samples
