@@ -313,6 +313,8 @@ class CompletionChoiceWithPrompt(CompletionChoice):
 
 
 class Completion(msgspec.Struct):
+    """A whole completion, and each chunk of a streamed one (OpenAI uses the same object)."""
+
     id: str
     choices: list[CompletionChoice]
     created: int
@@ -368,18 +370,6 @@ class ChatCompletionChunk(msgspec.Struct):
     created: int
     model: str
     object: str = "chat.completion.chunk"
-    system_fingerprint: None = None
-    usage: Usage | None = None
-
-
-class CompletionChunk(msgspec.Struct):
-    """OpenAI streams completions with the same object name as the whole response."""
-
-    id: str
-    choices: list[CompletionChoice]
-    created: int
-    model: str
-    object: str = "text_completion"
     system_fingerprint: None = None
     usage: Usage | None = None
 

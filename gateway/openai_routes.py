@@ -36,7 +36,6 @@ from .openai_protocol import (
     Completion,
     CompletionChoice,
     CompletionChoiceWithPrompt,
-    CompletionChunk,
     CompletionRequest,
     Usage,
     decode_error,
@@ -194,37 +193,23 @@ async def completions(request: Request, gateway: Gateway) -> Response:
         usage = usage_of(samples)
         return json_response(Completion(rid, choices, created, model, usage=usage))
     first, rest = await until_disconnect(request, primed(deltas))
-    usage_each = body.stream_options is not None and body.stream_options.continuous_usage_stats
+    offsets = [0] * body.n
 
-    async def events() -> AsyncIterator[bytes]:
-        lasts: dict[int, Delta] = {}
-        offsets = [0] * body.n
-        try:
-            async for delta in chained(first, rest):
-                if delta.finished:
-                    lasts[delta.index] = delta
-                if not delta.text and not delta.finished and not delta.logprobs:
-                    continue
-                usage = (
-                    Usage.of(delta.prompt_tokens, delta.completion_tokens) if usage_each else None
-                )
-                logprobs = None
-                if body.logprobs is not None:
-                    logprobs, offsets[delta.index] = completion_logprobs(
-                        delta.logprobs or [], names, offsets[delta.index]
-                    )
-                choice = CompletionChoice(
-                    delta.index, delta.text, logprobs, finish_reason(delta.finish_reason)
-                )
-                yield sse(CompletionChunk(rid, [choice], created, model, usage=usage))
-        except APIError as exc:
-            yield sse(exc.body())
-        finally:
-            await rest.aclose()
-        for event in closing_events(body, lasts, CompletionChunk, rid, created, model):
-            yield event
+    def render(delta: Delta) -> list[bytes]:
+        if not delta.text and not delta.finished and not delta.logprobs:
+            return []
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs, offsets[delta.index] = completion_logprobs(
+                delta.logprobs or [], names, offsets[delta.index]
+            )
+        choice = CompletionChoice(
+            delta.index, delta.text, logprobs, finish_reason(delta.finish_reason)
+        )
+        usage = running_usage(body, delta)
+        return [sse(Completion(rid, [choice], created, model, usage=usage))]
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return event_stream(body, first, rest, Completion, rid, created, model, render)
 
 
 async def chat_completions(request: Request, gateway: Gateway) -> Response:
@@ -269,27 +254,55 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
         )
     first, rest = await until_disconnect(request, primed(deltas))
 
-    def chunk(index: int, delta: ChunkDelta, reason: str | None = None, logprobs=None) -> bytes:
+    def chunk(index: int, delta: ChunkDelta, reason=None, logprobs=None, usage=None) -> bytes:
         choice = ChatChunkChoice(index, delta, logprobs, reason)
-        return sse(ChatCompletionChunk(rid, [choice], created, model))
+        return sse(ChatCompletion(rid, [choice], created, model, usage=usage))
+
+    def render(delta: Delta) -> list[bytes]:
+        events = []
+        usage = running_usage(body, delta)
+        if delta.text or (body.logprobs and delta.logprobs):
+            logprobs = chat_logprobs(delta.logprobs or [], names) if body.logprobs else None
+            events.append(chunk(delta.index, ChunkDelta(content=delta.text), None, logprobs, usage))
+        if delta.finished:
+            reason = finish_reason(delta.finish_reason)
+            events.append(chunk(delta.index, ChunkDelta(), reason, usage=usage))
+        return events
+
+    opening = [chunk(i, ChunkDelta(role="assistant", content="")) for i in range(body.n)]
+    return event_stream(
+        body, first, rest, ChatCompletionChunk, rid, created, model, render, opening
+    )
+
+
+def running_usage(body, delta: Delta) -> Usage | None:
+    """The usage so far, on every chunk, when stream_options.continuous_usage_stats asks."""
+    if body.stream_options is None or not body.stream_options.continuous_usage_stats:
+        return None
+    return Usage.of(delta.prompt_tokens, delta.completion_tokens)
+
+
+def event_stream(
+    body, first, rest, chunk_type, rid: str, created: int, model: str, render, opening=()
+) -> StreamingResponse:
+    """A streamed completion as SSE: `opening`, then `render(delta)`'s events for each delta, an
+    error event if the engine fails midway, then the usage chunk (when asked) and [DONE]."""
 
     async def events() -> AsyncIterator[bytes]:
+        for event in opening:
+            yield event
         lasts: dict[int, Delta] = {}
-        for index in range(body.n):
-            yield chunk(index, ChunkDelta(role="assistant", content=""))
         try:
             async for delta in chained(first, rest):
-                if delta.text or (body.logprobs and delta.logprobs):
-                    logprobs = chat_logprobs(delta.logprobs or [], names) if body.logprobs else None
-                    yield chunk(delta.index, ChunkDelta(content=delta.text), None, logprobs)
                 if delta.finished:
                     lasts[delta.index] = delta
-                    yield chunk(delta.index, ChunkDelta(), finish_reason(delta.finish_reason))
+                for event in render(delta):
+                    yield event
         except APIError as exc:
             yield sse(exc.body())
         finally:
             await rest.aclose()
-        for event in closing_events(body, lasts, ChatCompletionChunk, rid, created, model):
+        for event in closing_events(body, lasts, chunk_type, rid, created, model):
             yield event
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -276,3 +276,22 @@ def test_completion_stop_string_cuts_the_text_like_the_sdk(gateway, client):
     )
     assert result.choices[0].text == full.text[: full.text.index(stop)]
     assert result.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(gateway, client, route):
+    common = dict(
+        model=gateway.model_name,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    )
+    if route == "chat":
+        stream = client.chat.completions.create(messages=CHAT, **common)
+    else:
+        stream = client.completions.create(prompt=PROMPT, **common)
+    chunks = [c for c in stream if c.choices]
+    counted = [c.usage.completion_tokens for c in chunks if route == "completions" or c.usage]
+    assert all(c.usage is not None for c in chunks[route == "chat" :])  # chat's role chunk: none
+    assert counted == sorted(counted) and counted[-1] == 12
