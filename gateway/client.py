@@ -126,6 +126,7 @@ class AsyncClient:
         self._decoder = Decoder(EngineToClient)
         self._streams: dict[str, _Stream] = {}
         self._health: dict[str, asyncio.Future] = {}
+        self._aborts: set[asyncio.Task] = set()  # aborts of streams left early, in flight
         self._receiver: asyncio.Task | None = None
 
     def _ensure_receiver(self) -> None:
@@ -236,7 +237,14 @@ class AsyncClient:
         finally:
             self._streams.pop(rid, None)
             if not finished:
-                await self.abort(rid)
+                self._abort_soon(rid)
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Abort in a task of its own: a caller cancelled mid-stream (a client disconnect, a
+        timeout) cannot cancel the abort with it."""
+        task = asyncio.get_running_loop().create_task(self.abort(request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     async def complete_all(
         self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0
@@ -262,6 +270,8 @@ class AsyncClient:
             self._health.pop(rid, None)
 
     async def close(self) -> None:
+        if self._aborts:  # let the aborts go out before the socket closes
+            await asyncio.wait(self._aborts, timeout=1.0)
         for task in (self._receiver, self._watchdog):
             if task is not None:
                 task.cancel()

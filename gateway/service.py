@@ -73,7 +73,6 @@ class Gateway:
         self.draining = False
         self._idle = asyncio.Event()
         self._idle.set()
-        self._aborts: set[asyncio.Task] = set()
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -122,7 +121,7 @@ class Gateway:
         priority: int = 0,
     ) -> AsyncIterator[Delta]:
         """Deltas of one request (of its n samples, by `Delta.index`); raises APIError.
-        Leaving before all n samples finished aborts it in the Engine."""
+        Leaving before all n samples finished aborts it in the Engine (the SDK does)."""
         error = params.validate(self.settings.vocab_size)
         if error:
             raise engine_error(EngineError(error, "invalid_request"), prompt_param)
@@ -130,7 +129,7 @@ class Gateway:
         arrival = time.perf_counter()
         first: float | None = None
         last: Delta | None = None
-        finished = longest = 0
+        longest = 0
         stream = self.client.generate(prompt, params, request_id, priority)
         try:
             async for delta in stream:
@@ -138,7 +137,6 @@ class Gateway:
                     first = time.perf_counter()
                 last = delta
                 if delta.finished:
-                    finished += 1
                     longest = max(longest, delta.completion_tokens)
                 yield delta
             reason = last.finish_reason.value if last and last.finish_reason else "abort"
@@ -147,15 +145,7 @@ class Gateway:
             raise engine_error(exc, prompt_param) from None
         finally:
             self._release()
-            if finished < params.n:
-                self._abort_soon(request_id)
-            await stream.aclose()
-
-    def _abort_soon(self, request_id: str) -> None:
-        """Abort in a task of its own, so a cancelled caller (a disconnect) cannot stop it."""
-        task = asyncio.get_running_loop().create_task(self.client.abort(request_id))
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
+            await stream.aclose()  # the SDK aborts a request left before it finished
 
     async def probe(self) -> tuple[float, HealthReply]:
         """Push one greedy token through every actor; (seconds it took, health reply)."""
@@ -181,7 +171,6 @@ class Gateway:
                 f"no token from the engine within {timeout:g} s", "unavailable"
             ) from None
         finally:
-            if not finished:
-                self._abort_soon(rid)
+            await stream.aclose()  # aborts it in the Engine if it did not finish
         elapsed = time.perf_counter() - started
         return elapsed, await self.client.health(timeout)
