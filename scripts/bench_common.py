@@ -52,17 +52,18 @@ class ModelShape:
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape:
-        c = json.loads((Path(model_dir) / "config.json").read_text())
-        c = c.get("text_config", c)
-        heads = c["num_attention_heads"]
+        """Through the Worker's own config.json parser (the one place that reads it)."""
+        from actorserve.actors.worker.models.config import ModelConfig
+
+        c = ModelConfig.from_dir(Path(model_dir))
         return cls(
-            hidden=c["hidden_size"],
-            intermediate=c["intermediate_size"],
-            layers=c["num_hidden_layers"],
-            heads=heads,
-            kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            vocab=c["vocab_size"],
+            hidden=c.hidden_size,
+            intermediate=c.intermediate_size,
+            layers=c.num_layers,
+            heads=c.num_heads,
+            kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            vocab=c.vocab_size,
         )
 
     @property

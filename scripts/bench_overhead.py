@@ -36,13 +36,14 @@ import bench_common as bc  # noqa: E402
 # -- 1. step breakdown ------------------------------------------------------------------------
 
 
-def trace_steps(model_dir: Path, args) -> list[dict]:
+def trace_steps(model_dir: Path, args) -> tuple[list[dict], list[dict]]:
     import json
 
     from actorserve import LLM, SamplingParams
 
+    vocab = bc.ModelShape.read(model_dir).vocab
     workload = bc.make_workload(
-        args.num_requests, args.seed, (16, args.max_prompt_len), (args.output_len,) * 2
+        args.num_requests, args.seed, (16, args.max_prompt_len), (args.output_len,) * 2, vocab
     )
     with tempfile.TemporaryDirectory(prefix="actorserve-bench-") as tmp:
         trace = Path(tmp) / "steps.jsonl"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import Column, format_table, resolve_model, write_json  # noqa: E402
+from bench_common import Column, ModelShape, format_table, resolve_model, write_json  # noqa: E402
 
 from actorserve.messages.common import SamplingParams  # noqa: E402
 from actorserve.offline import LLM  # noqa: E402
@@ -30,7 +30,7 @@ CONFIGS = [
 ]
 
 
-def workload(n: int, seed: int, vocab: int = 32000):
+def workload(n: int, seed: int, vocab: int):
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 256))] for _ in range(n)]
     params = [
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", default=None)
     args = parser.parse_args(argv)
     model = resolve_model(args.model)
-    prompts, params = workload(args.requests, args.seed)
+    prompts, params = workload(args.requests, args.seed, ModelShape.read(model).vocab)
     rows, reference = [], None
     for mode, victim in CONFIGS:
         with LLM(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import Column, format_table, percentile, resolve_model  # noqa: E402
+from bench_common import Column, ModelShape, format_table, percentile, resolve_model  # noqa: E402
 
 from actorserve.actors.config import EngineConfig  # noqa: E402
 from actorserve.actors.supervisor import BackgroundSupervisor  # noqa: E402
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", default=None)
     args = parser.parse_args(argv)
     model = resolve_model(args.model)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    vocab = ModelShape.read(model).vocab
     prompts = workload(args.requests, args.system_tokens, vocab, args.seed)
     rows = [
         run(model, caching, prompts, args.max_tokens, args.threads) for caching in (False, True)

@@ -185,34 +185,23 @@ RUNNERS = {"actorserve": run_actorserve, "hf-static": run_hf_static, "hf-cb": ru
 CHILD_FLAG = "--child-result"  # internal: run one backend in this process, write its result
 
 
+def make_workload(args, num_requests: int, vocab: int) -> list[bc.Request]:
+    """The run's workload from its flags (the parent and each child build the same one)."""
+    prompt_lens = (args.min_prompt_len, args.max_prompt_len)
+    output_lens = (args.min_output_len, args.max_output_len)
+    return bc.make_workload(num_requests, args.seed, prompt_lens, output_lens, vocab)
+
+
 def run_isolated(backend: str, name: str, num_requests: int, args) -> dict:
     """Run one backend in a fresh Python process (its own threads, allocator and OpenMP teams,
     nothing left over from the runs before it); the same workload is rebuilt there from the
     seed."""
     with tempfile.TemporaryDirectory(prefix="actorserve-bench-") as tmp:
         out = Path(tmp) / "result.json"
-        command = [sys.executable, str(Path(__file__).resolve()), "--model", name]
-        command += [
-            "--backends",
-            backend,
-            "--num-requests",
-            str(num_requests),
-            CHILD_FLAG,
-            str(out),
-        ]
-        for flag in (
-            "seed", "min_prompt_len", "max_prompt_len", "min_output_len", "max_output_len",
-            "temperature", "hf_batch_size", "hf_cache", "max_num_seqs",
-            "max_num_batched_tokens", "threads",
-        ):  # fmt: skip
-            value = getattr(args, flag)
-            if value is not None:
-                command += ["--" + flag.replace("_", "-"), str(value)]
-        if args.quiet:
-            command.append("--quiet")
-        if args.no_async_scheduling:
-            command.append("--no-async-scheduling")
-        subprocess.run(command, check=True)
+        # The parent's own flags, then the child's: argparse keeps the last of a repeated flag.
+        command = [sys.executable, str(Path(__file__).resolve()), *args.argv]
+        command += ["--model", name, "--backends", backend, "--num-requests", str(num_requests)]
+        subprocess.run([*command, CHILD_FLAG, str(out)], check=True)
         return json.loads(out.read_text())
 
 
@@ -234,13 +223,7 @@ def bench_model(name: str, args) -> list[dict]:
     model_dir = bc.resolve_model(name)
     shape = bc.ModelShape.read(model_dir)
     n = args.num_requests or DEFAULT_REQUESTS.get(bc.model_label(name), 64)
-    workload = bc.make_workload(
-        n,
-        args.seed,
-        (args.min_prompt_len, args.max_prompt_len),
-        (args.min_output_len, args.max_output_len),
-        shape.vocab,
-    )
+    workload = make_workload(args, n, shape.vocab)
     gemm = bc.measure_gemm_flops(shape.gemm_shapes(), args.threads)
     work = bc.matmul_flops(shape, workload)
     prompt_tokens = sum(len(r.prompt_ids) for r in workload)
@@ -340,17 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     bc.add_common_flags(parser)
     parser.add_argument(CHILD_FLAG, dest="child_result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     args.threads = args.threads or bc.default_threads()
     if args.child_result:  # one backend, one model, in this (fresh) process
         model_dir = bc.resolve_model(args.model[0])
         shape = bc.ModelShape.read(model_dir)
-        workload = bc.make_workload(
-            args.num_requests,
-            args.seed,
-            (args.min_prompt_len, args.max_prompt_len),
-            (args.min_output_len, args.max_output_len),
-            shape.vocab,
-        )
+        workload = make_workload(args, args.num_requests, shape.vocab)
         result = RUNNERS[args.backends.split(",")[0]](model_dir, workload, args)
         Path(args.child_result).write_text(json.dumps(result))
         return 0
