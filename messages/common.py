@@ -121,9 +121,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     @property
     def processes_logits(self) -> bool:
         """Whether penalties or a logit bias change this request's logits before sampling."""
+        return self.penalises or bool(self.logit_bias)
+
+    @property
+    def penalises(self) -> bool:
+        """Whether presence, frequency or repetition penalties apply."""
         return bool(
-            self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-            or self.logit_bias
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         )

@@ -33,9 +33,7 @@ def apply_logits_processors(logits: torch.Tensor, rows: Sequence[SampleRow]) -> 
     params = [rows[i].params for i in picked]
     if any(p.logit_bias for p in params):
         sub = apply_logit_bias(sub, [p.logit_bias for p in params])
-    if any(
-        p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
-    ):
+    if any(p.penalises for p in params):
         prompts, outputs = [], []
         for i in picked:
             row = rows[i]

@@ -46,8 +46,7 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.num_output < row.params.min_tokens and row.stop_token_ids:
                 logits[i, row.stop_token_ids] = float("-inf")
-        if any(r.params.processes_logits for r in rows):  # penalties, logit_bias
-            logits = apply_logits_processors(logits, rows)
+        logits = apply_logits_processors(logits, rows)  # penalties, logit_bias (if any asks)
         tokens = argmax_rows(logits).cpu()  # the first maximum of each row
         if all(r.params.temperature == 0.0 for r in rows):
             return tokens.tolist()
