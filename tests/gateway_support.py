@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -37,13 +36,7 @@ class GatewayServer(EngineServer):
     """`actorserve serve --port 0`: the SDK address (as EngineServer) plus `url`, the HTTP base."""
 
     def __init__(self, model: Path, *flags: str, env: dict[str, str] | None = None):
-        saved = {k: os.environ.get(k) for k in (env or {})}
-        os.environ.update(env or {})
-        try:
-            super().__init__(model, "--port", "0", *flags)
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        super().__init__(model, *flags, env=env)  # EngineServer already serves with --port 0
         line = self._read_line(120)
         match = re.fullmatch(r"actorserve: (http://\S+)\n?", line)
         if not match:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import signal
 import subprocess
 import sys
@@ -107,7 +108,13 @@ def generate_concurrently(address: str, prompts, params: SamplingParams):
 class EngineServer:
     """`actorserve serve` in a subprocess: the supervisor and its four actor processes."""
 
-    def __init__(self, model: Path, *flags: str, ready_timeout_s: float = 180.0):
+    def __init__(
+        self,
+        model: Path,
+        *flags: str,
+        ready_timeout_s: float = 180.0,
+        env: dict[str, str] | None = None,
+    ):
         self.run_dir = tempfile.mkdtemp(prefix="actorserve-test-")
         self.address = f"ipc://{self.run_dir}/engine.sock"
         cmd = [
@@ -127,7 +134,13 @@ class EngineServer:
         ]
         self.log_path = Path(self.run_dir) / "serve.log"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         line = self._read_line(ready_timeout_s)
         if "serving" not in line:
             self.proc.kill()
