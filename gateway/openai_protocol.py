@@ -120,8 +120,9 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_logprobs: int | None = None
 
     def check_common(self) -> None:
-        """Refuse what we cannot honour yet, with a 400 naming the field. Ranges the Engine
-        checks too (SamplingParams.validate) are checked there, once."""
+        """Refuse what we cannot honour yet, with a 400 naming the field. The sampling ranges
+        are SamplingParams.validate's: the Gateway runs it before sending (so a bad request
+        never reaches the Engine, which runs it again for the SDK's other users)."""
         if self.n < 1:
             raise invalid(f"n must be >= 1, got {self.n}", "n")
         if self.n > MAX_N:
@@ -269,9 +270,6 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     def logprobs_count(self) -> int | None:
         """SamplingParams.logprobs: None unless logprobs is true, then top_logprobs (0)."""
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    def chat(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
     @property
     def max_tokens_field(self) -> str:

@@ -220,10 +220,7 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
     check_max_tokens(body.requested_max_tokens, field)
     if gateway.chat is None:
         raise APIError(404, "this server offers no chat template", None, "not_found")
-    try:
-        prompt = gateway.chat.prompt_ids(body.chat(), body.add_generation_prompt)
-    except ValueError as exc:
-        raise invalid(str(exc), "messages") from None
+    prompt = gateway.chat_prompt(body.messages, body.add_generation_prompt)
     room = gateway.settings.max_model_len - len(prompt)
     requested = body.requested_max_tokens
     max_tokens = requested if requested is not None else max(room, 1)

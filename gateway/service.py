@@ -20,7 +20,7 @@ from ..messages.common import SamplingParams
 from .client import AsyncClient, EngineError
 from .metrics import Metrics
 from .openai_logprobs import TokenNames
-from .openai_protocol import APIError
+from .openai_protocol import APIError, ChatMessage, invalid
 
 SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
 ENGINE_STATUS = {"invalid_request": 400, "overloaded": 429, "unavailable": 503}
@@ -111,6 +111,17 @@ class Gateway:
             return False
 
     # -- generation --------------------------------------------------------------------------
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True):
+        """The prompt token ids of a chat through the checkpoint's template; a 400 naming
+        `messages` when there is no template or the template refuses them."""
+        if self.chat is None:
+            raise invalid("this server offers no chat template", "messages")
+        chat = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+        try:
+            return self.chat.prompt_ids(chat, add_generation_prompt)
+        except ValueError as exc:
+            raise invalid(str(exc), "messages") from None
 
     async def generate(
         self,

@@ -147,13 +147,7 @@ class StreamSocket:
                 given[1] if len(given) > 1 else "prompt",
             )
         if message.messages is not None:
-            if self.gateway.chat is None:
-                raise invalid("this server offers no chat template", "messages")
-            chat = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(message.messages)]
-            try:
-                return self.gateway.chat.prompt_ids(chat), "messages"
-            except ValueError as exc:
-                raise invalid(str(exc), "messages") from None
+            return self.gateway.chat_prompt(message.messages), "messages"
         prompt = message.prompt if message.prompt is not None else message.prompt_token_ids
         return prompt, given[0]
 
