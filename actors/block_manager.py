@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..messages.blocks import AllocateStep, Allocation, FreeBlocks
+from ..messages.blocks import AllocateStep, FreeBlocks
 from ..messages.codec import BlockManagerInbox
 from ..messages.control import Ready, Reset
 from ..messages.step import StatsQuery, StatsReply
@@ -51,23 +51,14 @@ class BlockManager(Actor):
     def on_allocate_step(self, message: AllocateStep) -> None:
         if message.epoch != self.epoch:
             return
-        out = self.pool.allocate_step(
-            message.needs, message.new_token_budget, overlapped=message.overlapped
+        allocation = self.pool.allocate_step(
+            message.needs,
+            message.new_token_budget,
+            message.overlapped,
+            self.epoch,
+            message.step_id,
         )
-        self.send(
-            "scheduler",
-            Allocation(
-                self.epoch,
-                message.step_id,
-                out.granted,
-                out.preempted,
-                out.denied,
-                out.swapped,
-                out.swap_out,
-                out.swap_in,
-                out.copies,
-            ),
-        )
+        self.send("scheduler", allocation)
 
     def on_free_blocks(self, message: FreeBlocks) -> None:
         if message.epoch != self.epoch:

@@ -15,22 +15,8 @@ Swapped-out requests hold CPU blocks instead (a plain free list: CPU blocks are 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
-from ..messages.blocks import BlockNeed, Grant
-
-
-@dataclass
-class StepBlocks:
-    """What one step's allocation decided; see AllocateStep and Allocation."""
-
-    granted: list[Grant] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)  # lost their blocks: recompute
-    swapped: list[str] = field(default_factory=list)  # KV moved to CPU blocks
-    denied: list[str] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu), copy first
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu), copy second
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device, third
+from ..messages.blocks import Allocation, BlockNeed, Grant
 
 
 class Block:
@@ -175,8 +161,13 @@ class BlockPool:
     # -- one step --------------------------------------------------------------------------
 
     def allocate_step(
-        self, needs: list[BlockNeed], new_token_budget: int = 1 << 30, overlapped: bool = False
-    ) -> StepBlocks:
+        self,
+        needs: list[BlockNeed],
+        new_token_budget: int = 1 << 30,
+        overlapped: bool = False,
+        epoch: int = 0,
+        step_id: int = 0,
+    ) -> Allocation:
         """Allocate for one step's needs, given in priority order; see `AllocateStep`.
 
         overlapped: the previous step still runs, so nobody may be preempted: unless the running
@@ -187,8 +178,8 @@ class BlockPool:
                 self.blocks_needed(n.request_id, n.num_computed + n.num_new_tokens) for n in running
             )
             if want > len(self._free) or any(n.request_id not in self.tables for n in running):
-                return StepBlocks(denied=[n.request_id for n in needs])
-        out = StepBlocks()
+                return Allocation(epoch, step_id, [], [], [n.request_id for n in needs])
+        out = Allocation(epoch, step_id, [], [], [])
         budget = new_token_budget
         gone: set[str] = set()
         tail = len(needs)  # needs[tail:] are preempted running requests
@@ -222,7 +213,7 @@ class BlockPool:
                 self._preempt(rid, out)
         return out
 
-    def _preempt(self, request_id: str, out: StepBlocks) -> None:
+    def _preempt(self, request_id: str, out: Allocation) -> None:
         pairs = self.swap_out(request_id) if self.swap else None
         if pairs is None:
             self.free(request_id)
@@ -231,7 +222,7 @@ class BlockPool:
             out.swapped.append(request_id)
             out.swap_out.extend(pairs)
 
-    def _admit(self, need: BlockNeed, out: StepBlocks, budget: int) -> Grant | None:
+    def _admit(self, need: BlockNeed, out: Allocation, budget: int) -> Grant | None:
         """A waiting request: swap its KV back in, or reuse cached prefix blocks and allocate
         for at most `budget` more tokens; None when it does not fit (it waits)."""
         rid, tokens = need.request_id, list(need.token_ids)
@@ -270,7 +261,7 @@ class BlockPool:
         self._register(rid, computed + count)
         return Grant(rid, list(self.tables[rid]), computed, count)
 
-    def _fork(self, parent: str, child: str, shared_tokens: int, target: int, out: StepBlocks):
+    def _fork(self, parent: str, child: str, shared_tokens: int, target: int, out: Allocation):
         """Give `child` the blocks holding `parent`'s first `shared_tokens` tokens (ref counted)
         and room for `target` tokens. The block the child writes first is copied when it is
         shared and only partly the child's (copy-on-write); None when blocks are short."""
