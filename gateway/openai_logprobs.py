@@ -58,11 +58,7 @@ class TokenNames:
     def __call__(self, token_id: int) -> str:
         name = self.cache.get(token_id)
         if name is None:
-            if self.tokenizer is None:
-                name = f"token_id:{token_id}"  # vLLM's spelling when it returns ids
-            else:
-                name = self.tokenizer.decode([token_id])
-            self.cache[token_id] = name
+            name = self.cache[token_id] = self.tokenizer.decode([token_id])
         return name
 
 

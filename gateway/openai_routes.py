@@ -218,8 +218,6 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
     check_model(gateway, body.model)
     field = body.max_tokens_field
     check_max_tokens(body.requested_max_tokens, field)
-    if gateway.chat is None:
-        raise APIError(404, "this server offers no chat template", None, "not_found")
     prompt = gateway.chat_prompt(body.messages, body.add_generation_prompt)
     room = gateway.settings.max_model_len - len(prompt)
     requested = body.requested_max_tokens

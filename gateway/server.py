@@ -72,8 +72,8 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def create_app(client: AsyncClient, settings: GatewaySettings, chat=None) -> FastAPI:
-    """`chat`: a ChatTemplate for /v1/chat/completions (None: that route answers 404)."""
+def create_app(client: AsyncClient, settings: GatewaySettings, chat) -> FastAPI:
+    """`chat`: the checkpoint's ChatTemplate (its tokenizer also names logprob tokens)."""
     gateway = Gateway(client, settings, chat)
     app = FastAPI(title="actorserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway

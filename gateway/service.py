@@ -62,12 +62,11 @@ def engine_error(exc: EngineError, prompt_param: str = "prompt") -> APIError:
 
 
 class Gateway:
-    def __init__(self, client: AsyncClient, settings: GatewaySettings, chat=None):
+    def __init__(self, client: AsyncClient, settings: GatewaySettings, chat):
         self.client = client
         self.settings = settings
-        self.chat = chat  # ChatTemplate, or None when chat is not offered
-        # token id -> text for logprobs, decoded once per id (ids spelt `token_id:N` without chat)
-        self.token_names = TokenNames(chat.tokenizer if chat is not None else None)
+        self.chat = chat  # ChatTemplate
+        self.token_names = TokenNames(chat.tokenizer)  # token id -> text, for logprobs
         self.metrics = Metrics(settings.model_id)
         self.active = 0
         self.draining = False
@@ -114,9 +113,7 @@ class Gateway:
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True):
         """The prompt token ids of a chat through the checkpoint's template; a 400 naming
-        `messages` when there is no template or the template refuses them."""
-        if self.chat is None:
-            raise invalid("this server offers no chat template", "messages")
+        `messages` when the template refuses them."""
         chat = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
         try:
             return self.chat.prompt_ids(chat, add_generation_prompt)
