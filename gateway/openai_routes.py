@@ -251,7 +251,7 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
 
     def chunk(index: int, delta: ChunkDelta, reason=None, logprobs=None, usage=None) -> bytes:
         choice = ChatChunkChoice(index, delta, logprobs, reason)
-        return sse(ChatCompletion(rid, [choice], created, model, usage=usage))
+        return sse(ChatCompletionChunk(rid, [choice], created, model, usage=usage))
 
     def render(delta: Delta) -> list[bytes]:
         events = []

@@ -117,10 +117,16 @@ def test_chat_uses_the_checkpoint_template_and_equals_the_sdk(gateway, client, l
     assert chunks[-1].usage.total_tokens == len(ids) + 20
 
 
-def test_sse_is_framed_exactly_as_openai_frames_it(gateway):
-    conn, response = open_stream(
-        gateway, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "stream": True}, AUTH
-    )
+@pytest.mark.parametrize(
+    "path, body, kind",
+    [
+        ("/v1/completions", {"prompt": PROMPT}, "text_completion"),
+        ("/v1/chat/completions", {"messages": CHAT}, "chat.completion.chunk"),
+    ],
+)
+def test_sse_is_framed_exactly_as_openai_frames_it(gateway, path, body, kind):
+    body = {**body, "max_tokens": 6, "stream": True}
+    conn, response = open_stream(gateway, path, body, AUTH)
     try:
         assert response.status == 200
         assert response.getheader("content-type").startswith("text/event-stream")
@@ -133,7 +139,7 @@ def test_sse_is_framed_exactly_as_openai_frames_it(gateway):
     for frame in frames[:-2]:
         assert re.fullmatch(r"data: \{.*\}", frame), frame
         chunk = json.loads(frame[len("data: ") :])
-        assert chunk["object"] == "text_completion" and chunk["model"] == gateway.model_name
+        assert chunk["object"] == kind and chunk["model"] == gateway.model_name
 
 
 def test_vllm_extras_apply_stop_token_ids_and_seed(gateway, client):
