@@ -44,7 +44,7 @@ from ..messages.codec import DecodeError, Decoder, EngineInbox, encode, peek_req
 from ..messages.common import FinishReason, SamplingParams
 from ..messages.control import ActorStatus, Drain, Drained, Recover, Roster
 from ..messages.step import AbortRequests, AddRequest, StatsQuery, StatsReply, TokensOut
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import Detokenizer, incremental_detokenizer
 from .runtime import Actor, actor_main
 from .stop_strings import StopStrings
 
@@ -58,7 +58,7 @@ class LiveRequest:
 
     identity: bytes
     request: AddRequest
-    detokenizer: IncrementalDetokenizer
+    detokenizer: Detokenizer
     stop_strings: StopStrings | None = None
     output_token_ids: list[int] = field(default_factory=list)
     client_id: str = ""  # the id the client knows (deltas carry it)
@@ -205,7 +205,7 @@ class Engine(Actor):
         for index, (cid, params) in enumerate(children):
             fork_of = children[0][0] if index else None  # share sample 0's prompt KV
             request = AddRequest(cid, prompt_ids, params, [], message.priority, fork_of)
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+            detok = incremental_detokenizer(self.tokenizer, prompt_ids)
             stops = (
                 StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None
             )
