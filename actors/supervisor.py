@@ -44,6 +44,7 @@ from ..messages.control import (
     Stop,
 )
 from .config import ACTORS, Addresses, EngineConfig
+from .runtime import Mailbox
 
 MODULES = {
     "engine": "actorserve.actors.engine",
@@ -105,7 +106,7 @@ class Supervisor:
         self._tasks: list[asyncio.Task] = []
         self._outboxes: dict[str, zmq.Socket] = {}
         self.ctx: zmq.asyncio.Context | None = None  # made by start()
-        self.mailbox: zmq.asyncio.Socket | None = None
+        self.mailbox: Mailbox | None = None
 
     @property
     def client_address(self) -> str:
@@ -115,8 +116,9 @@ class Supervisor:
 
     async def start(self) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.mailbox = self.ctx.socket(zmq.PULL)
-        self.mailbox.bind(self.config.addresses.mailbox("supervisor"))
+        socket = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PULL)
+        socket.bind(self.config.addresses.mailbox("supervisor"))
+        self.mailbox = Mailbox(socket)
         self._tasks.append(asyncio.create_task(self._receive()))
         try:
             for name in ACTORS:
@@ -181,7 +183,7 @@ class Supervisor:
     async def _receive(self) -> None:
         decoder = Decoder(SupervisorInbox)
         while True:
-            data = await self.mailbox.recv()
+            data = await self.mailbox.receive()
             try:
                 message = decoder.decode(data)
             except DecodeError as exc:
@@ -337,7 +339,7 @@ class Supervisor:
         for socket in self._outboxes.values():
             socket.close(linger=0)
         if self.mailbox is not None:
-            self.mailbox.close(linger=0)
+            self.mailbox.close()
         if self.ctx is not None:
             self.ctx.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -160,8 +160,8 @@ def _plans(n: int, prompt_len: int):
 def _echo_main(inbox: str, outbox: str, n: int, prompt_len: int, mode: str) -> None:
     """The Worker's side: decode each StepPlan with the Worker's decoder, answer a StepResult."""
     import zmq
-    import zmq.asyncio
 
+    from actorserve.actors.runtime import Mailbox
     from actorserve.messages.codec import Decoder, WorkerInbox, encode
 
     _, result = _plans(n, prompt_len)
@@ -182,20 +182,18 @@ def _echo_main(inbox: str, outbox: str, n: int, prompt_len: int, mode: str) -> N
         return
 
     async def serve() -> None:
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
         pull.bind(inbox)
-        push = zmq.Context.shadow(ctx.underlying).socket(zmq.PUSH)
+        mailbox = Mailbox(pull)
+        push = ctx.socket(zmq.PUSH)
         push.connect(outbox)
         decoder = Decoder(WorkerInbox)
-        while True:
-            data = await pull.recv(copy=False)
-            if data.bytes == b"stop":
-                break
-            plan = decoder.decode(data.bytes)
+        while (data := await mailbox.receive()) != b"stop":
+            plan = decoder.decode(data)
             reply = result if (plan.running or plan.new) else empty_result
             push.send(encode(reply), copy=False)
-        pull.close(0)
+        mailbox.close()
         push.close(0)
         ctx.term()
 
@@ -215,8 +213,8 @@ def ipc_round_trips(n: int, prompt_len: int, iterations: int, mode: str) -> list
     """mode `asyncio`: both ends on uvloop + zmq.asyncio, as the actors; `blocking`: plain
     blocking zmq calls on both ends (the transport and codec alone, for comparison)."""
     import zmq
-    import zmq.asyncio
 
+    from actorserve.actors.runtime import Mailbox
     from actorserve.messages.codec import Decoder, SchedulerInbox, encode
 
     plans, _ = _plans(n, prompt_len)
@@ -232,11 +230,12 @@ def ipc_round_trips(n: int, prompt_len: int, iterations: int, mode: str) -> list
         async def measure() -> None:
             nonlocal echo
             blocking = mode == "blocking"
-            ctx = zmq.Context() if blocking else zmq.asyncio.Context()
+            ctx = zmq.Context()
             pull = ctx.socket(zmq.PULL)
             pull.bind(outbox)
+            mailbox = Mailbox(pull)
             echo = subprocess.Popen(echo_command)
-            push = zmq.Context.shadow(ctx.underlying).socket(zmq.PUSH)
+            push = ctx.socket(zmq.PUSH)
             push.connect(inbox)
             decoder = Decoder(SchedulerInbox)
             for name, plan in plans.items():
@@ -245,8 +244,8 @@ def ipc_round_trips(n: int, prompt_len: int, iterations: int, mode: str) -> list
                 for i in range(iterations + 50):
                     start = time.perf_counter()
                     push.send(encode(plan), copy=False)
-                    frame = pull.recv(copy=False) if blocking else await pull.recv(copy=False)
-                    reply = decoder.decode(frame.bytes)
+                    data = pull.recv() if blocking else await mailbox.receive()
+                    reply = decoder.decode(data)
                     elapsed = time.perf_counter() - start
                     assert reply.step_id == 1
                     if i >= 50:  # warm-up
@@ -265,7 +264,7 @@ def ipc_round_trips(n: int, prompt_len: int, iterations: int, mode: str) -> list
                     }
                 )
             push.send(b"stop")
-            pull.close(0)
+            mailbox.close()
             push.close(linger=1000)
             ctx.term()
 
