@@ -80,19 +80,31 @@ def join_samples(deltas: list[Delta]) -> list[Delta]:
 
 
 class _Stream:
-    """Pending output of one request: deltas merge, per sample index, while nobody reads them."""
+    """Pending output of one request. Streaming: deltas merge, per sample index, while nobody
+    reads them, and every delta wakes the reader. Collecting (`collect`, for whole completions):
+    every delta is kept and the reader wakes once, when the last sample has finished, so a
+    batch of non-streamed requests costs no task wake-up per request per step."""
 
-    def __init__(self, n: int = 1):
+    def __init__(self, n: int = 1, collect: bool = False):
         self.n = n
+        self.collect = collect
         self.pending: dict[int, Delta] = {}
+        self.collected: list[Delta] = []
+        self.pushes = 0  # deltas received: a collecting reader's sign of life
         self.finished = 0  # samples whose last delta has arrived
         self.error: EngineError | None = None
         self.event = asyncio.Event()
 
     def push(self, delta: Delta) -> None:
+        self.pushes += 1
+        self.finished += delta.finished
+        if self.collect:
+            self.collected.append(delta)
+            if self.finished >= self.n:
+                self.event.set()
+            return
         held = self.pending.get(delta.index)
         self.pending[delta.index] = delta if held is None else join([held, delta])
-        self.finished += delta.finished
         self.event.set()
 
     def fail(self, error: EngineError) -> None:
@@ -204,40 +216,52 @@ class AsyncClient:
 
         Leaving the loop early (break, cancel, error) aborts the request in the engine.
         """
+        rid, message, stream = self._open(prompt, params, request_id, priority, collect=False)
+        done = 0
+        finished = False
+        try:
+            await self._socket.send(encode(message))
+            while not finished:
+                await self._wait(stream)
+                deltas, stream.pending = stream.pending, {}
+                for index in sorted(deltas):
+                    delta = deltas[index]
+                    done += delta.finished
+                    finished = done >= stream.n
+                    yield delta
+        finally:
+            self._streams.pop(rid, None)
+            if not finished and stream.error is None:  # a failed request is gone already
+                self._abort_soon(rid)
+
+    def _open(self, prompt, params, request_id, priority, collect: bool):
+        """A new request's id, its GenerateRequest and its registered stream."""
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise EngineError(f"request_id {rid!r} is already streaming", "invalid_request", rid)
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         params = params or SamplingParams()
         message = GenerateRequest(rid, text, ids, params, priority)
-        n = max(1, params.n)
-        stream = self._streams[rid] = _Stream(n)
+        stream = self._streams[rid] = _Stream(max(1, params.n), collect)
         self._ensure_receiver()
-        done = 0
-        finished = False
-        try:
-            await self._socket.send(encode(message))
-            while not finished:
-                try:
-                    await asyncio.wait_for(stream.event.wait(), self.timeout_s)
-                except asyncio.TimeoutError:
+        return rid, message, stream
+
+    async def _wait(self, stream: _Stream) -> None:
+        """Until the stream has news (a collecting one: until it has finished); raises its
+        failure, or EngineUnavailable when nothing came for `timeout_s`."""
+        while True:
+            pushes = stream.pushes
+            try:
+                await asyncio.wait_for(stream.event.wait(), self.timeout_s)
+                break
+            except asyncio.TimeoutError:
+                if stream.pushes == pushes:  # nothing at all came for timeout_s
                     raise EngineUnavailable(
                         f"no reply from the engine at {self.address} in {self.timeout_s} s"
                     ) from None
-                stream.event.clear()
-                if stream.error is not None:
-                    finished = True
-                    raise stream.error
-                deltas, stream.pending = stream.pending, {}
-                for index in sorted(deltas):
-                    delta = deltas[index]
-                    done += delta.finished
-                    finished = done >= n
-                    yield delta
-        finally:
-            self._streams.pop(rid, None)
-            if not finished:
-                self._abort_soon(rid)
+        stream.event.clear()
+        if stream.error is not None:
+            raise stream.error
 
     def _abort_soon(self, request_id: str) -> None:
         """Abort in a task of its own: a caller cancelled mid-stream (a client disconnect, a
@@ -250,7 +274,17 @@ class AsyncClient:
         self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0
     ) -> list[Delta]:
         """Every sample of the request (`params.n` of them) as one joined Delta, by index."""
-        return join_samples([d async for d in self.generate(prompt, params, priority=priority)])
+        rid, message, stream = self._open(prompt, params, None, priority, collect=True)
+        finished = False
+        try:
+            await self._socket.send(encode(message))
+            await self._wait(stream)
+            finished = True
+            return join_samples(stream.collected)
+        finally:
+            self._streams.pop(rid, None)
+            if not finished and stream.error is None:  # a failed request is gone already
+                self._abort_soon(rid)
 
     async def abort(self, request_id: str) -> None:
         await self._socket.send(encode(AbortRequest(request_id)))
