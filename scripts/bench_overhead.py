@@ -10,11 +10,12 @@
    StepPlan to the persistent batch, flat inputs), sampling and bookkeeping, and the time outside
    the Worker's step (StepResult out, the Scheduler's stop checks and TokensOut, the next plan,
    the BlockManager round trip, StepPlan in: scheduling, block allocation, messages).
-2. Message round trip over ipc://, two processes on uvloop + zmq.asyncio like the actors: a
+2. Message round trip over ipc://, two processes on uvloop with the actors' Mailbox: a
    StepPlan of N requests encoded, sent, decoded by the other side, answered with the StepResult
    of N tokens, decoded. The delta plan (N RunningUpdates, the steady state) and a full one
    (N NewRequests with their prompts) are measured, and an empty message as the floor; then the
-   same with plain blocking zmq calls on both ends, which shows what the event loops add.
+   same with plain blocking zmq calls on both ends, which shows what the event loops add, and a
+   raw socketpair ping-pong, the operating system's own floor on this machine.
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ def _run_loop(coro) -> None:
 
 
 def ipc_round_trips(n: int, prompt_len: int, iterations: int, mode: str) -> list[dict]:
-    """mode `asyncio`: both ends on uvloop + zmq.asyncio, as the actors; `blocking`: plain
+    """mode `asyncio`: both ends on uvloop with the actors' Mailbox; `blocking`: plain
     blocking zmq calls on both ends (the transport and codec alone, for comparison)."""
     import zmq
 
@@ -277,6 +278,48 @@ def ipc_round_trips(n: int, prompt_len: int, iterations: int, mode: str) -> list
                 except subprocess.TimeoutExpired:
                     echo.kill()
     return rows
+
+
+ECHO_ON_FD = """
+import socket, sys
+s = socket.socket(fileno=int(sys.argv[1]))
+while (data := s.recv(65536)) != b"stop":
+    s.sendall(data)
+"""
+
+
+def socketpair_floor(iterations: int) -> dict:
+    """The operating system's floor: an 18-byte ping-pong over a Unix socketpair between two
+    processes, no ZeroMQ and no codec (two cross-process wake-ups per round trip)."""
+    import socket
+
+    ours, theirs = socket.socketpair()
+    echo = subprocess.Popen(
+        [sys.executable, "-c", ECHO_ON_FD, str(theirs.fileno())], pass_fds=[theirs.fileno()]
+    )
+    theirs.close()
+    samples = []
+    try:
+        for i in range(iterations + 50):
+            start = time.perf_counter()
+            ours.sendall(b"x" * 18)
+            ours.recv(65536)
+            if i >= 50:
+                samples.append(time.perf_counter() - start)
+        ours.sendall(b"stop")
+    finally:
+        ours.close()
+        echo.wait(10)
+    return {
+        "table": "ipc",
+        "message": "18 bytes over a socketpair (OS floor, no zmq)",
+        "mode": "socketpair",
+        "bytes": 18,
+        "p50_us": bc.percentile(samples, 50) * 1e6,
+        "p99_us": bc.percentile(samples, 99) * 1e6,
+        "mean_us": statistics.fmean(samples) * 1e6,
+        "iterations": iterations,
+    }
 
 
 STEP_COLUMNS = [
@@ -349,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         ipc_rows = []
         for mode in ("asyncio", "blocking"):
             ipc_rows += ipc_round_trips(args.num_requests, 256, args.ipc_iterations, mode)
+        ipc_rows.append(socketpair_floor(args.ipc_iterations))
         rows += ipc_rows
         out.append(
             bc.format_table(
