@@ -45,7 +45,7 @@ from ..messages.common import FinishReason, SamplingParams
 from ..messages.control import ActorStatus, Drain, Drained, Recover, Roster
 from ..messages.step import AbortRequests, AddRequest, StatsQuery, StatsReply, TokensOut
 from .detokenizer import Detokenizer, incremental_detokenizer
-from .runtime import Actor, actor_main
+from .runtime import Actor, LoopSocket, actor_main
 from .stop_strings import StopStrings
 
 STATS_TIMEOUT_S = 2.0
@@ -99,16 +99,13 @@ class Engine(Actor):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.router.setsockopt(zmq.LINGER, 0)
+        router = zmq.Context.shadow(self.ctx.underlying).socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         address = self.addresses.client
         if address.startswith("ipc://"):
             os.makedirs(os.path.dirname(address[len("ipc://") :]) or ".", exist_ok=True)
-        self.router.bind(address)
-        # Replies go out through a blocking-API view of the same socket: a ROUTER never blocks
-        # (it drops what a gone client cannot take), and pyzmq's asyncio send costs ~10x more.
-        self.router_out = zmq.Socket.shadow(self.router.underlying)
+        router.bind(address)
+        self.router = LoopSocket(router)
 
     async def teardown(self) -> None:
         for live in self.live.values():
@@ -119,7 +116,7 @@ class Engine(Actor):
 
     async def background(self) -> None:
         while True:
-            frames = await self.router.recv_multipart()
+            frames = await self.router.receive_multipart()
             if len(frames) != 2:
                 continue  # not a DEALER/REQ peer speaking our protocol: nothing to answer
             identity, data = frames
@@ -133,7 +130,7 @@ class Engine(Actor):
                 )
 
     def reply(self, identity: bytes, message) -> None:
-        self.router_out.send_multipart([identity, encode(message)])
+        self.router.send_multipart([identity, encode(message)])
 
     # -- client requests ---------------------------------------------------------------------
 

@@ -47,13 +47,16 @@ def die_with_parent() -> None:
             pass
 
 
-class Mailbox:
-    """A PULL socket read without pyzmq's asyncio futures (a third of an actor's CPU per message).
+class LoopSocket:
+    """A zmq socket driven by the event loop without pyzmq's asyncio futures (which cost a third
+    of an actor's CPU per message): an actor's mailbox, the Engine's client ROUTER.
 
-    The event loop watches the socket's ZMQ_FD, which is edge-triggered: it signals that ZMQ_EVENTS
-    may have changed, not that a message is waiting. So `receive` takes a message whenever
+    The loop watches the socket's ZMQ_FD, which is edge-triggered: it signals that ZMQ_EVENTS
+    may have changed, not that a message is waiting. So a reader takes a message whenever
     ZMQ_EVENTS says one is queued, and sleeps only after ZMQ_EVENTS, read after the wake-up flag
-    was cleared, says none is: a message arriving after that read signals the FD again.
+    was cleared, says none is: a message arriving after that read signals the FD again. A send on
+    the same socket may consume the edge of a message that arrived meanwhile, so `send_multipart`
+    reads ZMQ_EVENTS after it and wakes the reader itself.
     """
 
     def __init__(self, socket: zmq.Socket):
@@ -61,11 +64,9 @@ class Mailbox:
         self._readable = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def receive(self) -> bytes:
+    async def _wait_readable(self) -> None:
         socket = self.socket
-        while True:
-            if socket.getsockopt(_EVENTS) & _POLLIN:
-                return socket.recv(_NOBLOCK)
+        while not socket.getsockopt(_EVENTS) & _POLLIN:
             if self._loop is None:
                 self._loop = asyncio.get_running_loop()
                 self._loop.add_reader(socket.getsockopt(zmq.FD), self._readable.set)
@@ -73,10 +74,24 @@ class Mailbox:
             if not socket.getsockopt(_EVENTS) & _POLLIN:
                 await self._readable.wait()
 
-    def close(self) -> None:
+    async def receive(self) -> bytes:
+        await self._wait_readable()
+        return self.socket.recv(_NOBLOCK)
+
+    async def receive_multipart(self) -> list[bytes]:
+        await self._wait_readable()
+        return self.socket.recv_multipart(_NOBLOCK)
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        """Send now (for a ROUTER, which never blocks: it drops what a peer cannot take)."""
+        self.socket.send_multipart(frames)
+        if self.socket.getsockopt(_EVENTS) & _POLLIN:
+            self._readable.set()
+
+    def close(self, linger: int = 0) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self.socket.getsockopt(zmq.FD))
-        self.socket.close(linger=0)
+        self.socket.close(linger=linger)
 
 
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # no enum ops
@@ -144,7 +159,7 @@ class Actor:
         socket = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PULL)
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.bind(self.addresses.mailbox(self.name))
-        mailbox = Mailbox(socket)
+        mailbox = LoopSocket(socket)
         try:
             await self.setup()
             self.send("supervisor", self.ready())
@@ -171,7 +186,7 @@ class Actor:
         self.log.info("stopping%s", f": {message.reason}" if message.reason else "")
         self.request_stop()
 
-    async def _serve(self, mailbox: Mailbox) -> None:
+    async def _serve(self, mailbox: LoopSocket) -> None:
         while True:
             await self.dispatch(await mailbox.receive())
 

@@ -44,7 +44,7 @@ from ..messages.control import (
     Stop,
 )
 from .config import ACTORS, Addresses, EngineConfig
-from .runtime import Mailbox
+from .runtime import LoopSocket
 
 MODULES = {
     "engine": "actorserve.actors.engine",
@@ -106,7 +106,7 @@ class Supervisor:
         self._tasks: list[asyncio.Task] = []
         self._outboxes: dict[str, zmq.Socket] = {}
         self.ctx: zmq.asyncio.Context | None = None  # made by start()
-        self.mailbox: Mailbox | None = None
+        self.mailbox: LoopSocket | None = None
 
     @property
     def client_address(self) -> str:
@@ -118,7 +118,7 @@ class Supervisor:
         self.ctx = zmq.asyncio.Context()
         socket = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PULL)
         socket.bind(self.config.addresses.mailbox("supervisor"))
-        self.mailbox = Mailbox(socket)
+        self.mailbox = LoopSocket(socket)
         self._tasks.append(asyncio.create_task(self._receive()))
         try:
             for name in ACTORS:

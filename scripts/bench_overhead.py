@@ -10,7 +10,7 @@
    StepPlan to the persistent batch, flat inputs), sampling and bookkeeping, and the time outside
    the Worker's step (StepResult out, the Scheduler's stop checks and TokensOut, the next plan,
    the BlockManager round trip, StepPlan in: scheduling, block allocation, messages).
-2. Message round trip over ipc://, two processes on uvloop with the actors' Mailbox: a
+2. Message round trip over ipc://, two processes on uvloop with the actors' LoopSocket: a
    StepPlan of N requests encoded, sent, decoded by the other side, answered with the StepResult
    of N tokens, decoded. The delta plan (N RunningUpdates, the steady state) and a full one
    (N NewRequests with their prompts) are measured, and an empty message as the floor; then the
@@ -162,7 +162,7 @@ def _echo_main(inbox: str, outbox: str, n: int, prompt_len: int, mode: str) -> N
     """The Worker's side: decode each StepPlan with the Worker's decoder, answer a StepResult."""
     import zmq
 
-    from actorserve.actors.runtime import Mailbox
+    from actorserve.actors.runtime import LoopSocket
     from actorserve.messages.codec import Decoder, WorkerInbox, encode
 
     _, result = _plans(n, prompt_len)
@@ -186,7 +186,7 @@ def _echo_main(inbox: str, outbox: str, n: int, prompt_len: int, mode: str) -> N
         ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
         pull.bind(inbox)
-        mailbox = Mailbox(pull)
+        mailbox = LoopSocket(pull)
         push = ctx.socket(zmq.PUSH)
         push.connect(outbox)
         decoder = Decoder(WorkerInbox)
@@ -211,11 +211,11 @@ def _run_loop(coro) -> None:
 
 
 def ipc_round_trips(n: int, prompt_len: int, iterations: int, mode: str) -> list[dict]:
-    """mode `asyncio`: both ends on uvloop with the actors' Mailbox; `blocking`: plain
+    """mode `asyncio`: both ends on uvloop with the actors' LoopSocket; `blocking`: plain
     blocking zmq calls on both ends (the transport and codec alone, for comparison)."""
     import zmq
 
-    from actorserve.actors.runtime import Mailbox
+    from actorserve.actors.runtime import LoopSocket
     from actorserve.messages.codec import Decoder, SchedulerInbox, encode
 
     plans, _ = _plans(n, prompt_len)
@@ -234,7 +234,7 @@ def ipc_round_trips(n: int, prompt_len: int, iterations: int, mode: str) -> list
             ctx = zmq.Context()
             pull = ctx.socket(zmq.PULL)
             pull.bind(outbox)
-            mailbox = Mailbox(pull)
+            mailbox = LoopSocket(pull)
             echo = subprocess.Popen(echo_command)
             push = ctx.socket(zmq.PUSH)
             push.connect(inbox)

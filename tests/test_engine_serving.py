@@ -282,3 +282,22 @@ def test_the_offline_api_returns_transformers_greedy_output_in_prompt_order(llam
         assert out.token_ids == hf_greedy(llama_dir, prompt, 10)
         assert out.finish_reason.value in ("stop", "length")
     assert [s.token_ids for s in two.samples] == [outputs[0].token_ids] * 2  # greedy samples
+
+
+def test_requests_arriving_while_the_engine_streams_to_others_are_all_answered(engine):
+    """The Engine reads new requests from the socket it streams deltas out of: one arriving
+    during a send must still wake it (a send can consume the socket's edge-triggered signal)."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def staggered():
+        async with AsyncClient(engine.address, timeout_s=30, liveness_timeout_s=30) as client:
+
+            async def one(i):
+                await asyncio.sleep(0.015 * i)  # arrivals interleave with the running streams
+                return [t async for d in client.generate([1, 7 + i, 3] * 4, params)
+                        for t in d.token_ids]  # fmt: skip
+
+            return await asyncio.gather(*(one(i) for i in range(40)))
+
+    outputs = asyncio.run(staggered())
+    assert [len(tokens) for tokens in outputs] == [24] * 40
