@@ -251,7 +251,16 @@ def run_status(args: argparse.Namespace) -> int:
     return 0 if health.ok else 1
 
 
-BENCHMARKS = ("throughput", "serving", "overhead", "prefix", "preemption", "kernels", "chaos")
+BENCHMARKS = (
+    "throughput",
+    "serving",
+    "overhead",
+    "step",
+    "prefix",
+    "preemption",
+    "kernels",
+    "chaos",
+)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -1,0 +1,234 @@
+"""The Worker's decode step alone, op by op: what the model costs with no other actor around.
+
+    python scripts/bench_step.py [--model demo] [--num-requests 64] [--steps 30] [--json PATH]
+
+Builds the Worker's own pieces in this process (loader, KV cache, ModelRunner: no other actor,
+no message), prefills `--num-requests` prompts of the throughput workload's lengths, then times
+`--steps` decode steps of all of them at once. Each op is timed by wrapping its call in
+time.perf_counter (the C kernels are opaque to torch's profiler): decode attention, the LM head,
+the projection GEMMs, the fused norms, RoPE, SiLU x up, store_kv, input preparation, sampling;
+"rest" is the step less all of them (embedding, Python between ops, bookkeeping).
+
+Decode attention reads every context's K/V once a layer, so it is also reported as bytes a step
+and the bandwidth they imply, next to a plain read of as many bytes from memory (not in cache),
+measured in the same run.
+Compare the step with bench_overhead.py's step period: the difference is what the other actors'
+CPU and the messages cost on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_common as bc  # noqa: E402
+
+
+class OpTimer:
+    """Seconds spent in each named op, summed over the calls made while timing is on."""
+
+    def __init__(self) -> None:
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.on = False
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.seconds[name] += time.perf_counter() - start
+            return out
+
+        return timed
+
+
+def instrument(runner, timer: OpTimer) -> None:
+    """Wrap the model's ops and the runner's phases (this process only; the model is ours)."""
+    from actorserve.actors.worker.models import llama
+
+    model = runner.model
+    llama.apply_rope = timer.wrap("RoPE (q and k)", llama.apply_rope)
+    llama.silu_mul = timer.wrap("SiLU x up", llama.silu_mul)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.ops = attn.ops._replace(
+            store_kv=timer.wrap("store_kv", attn.ops.store_kv),
+            paged_attention=timer.wrap("decode attention", attn.ops.paged_attention),
+        )
+        for name, linear in (
+            ("qkv_proj", attn.qkv_proj),
+            ("o_proj", attn.o_proj),
+            ("gate_up_proj", mlp.gate_up_proj),
+            ("down_proj", mlp.down_proj),
+        ):
+            linear.forward = timer.wrap(f"GEMM {name}", linear.forward)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.forward = timer.wrap("RMSNorm (+ residual)", norm.forward)
+    model.model.norm.forward = timer.wrap("RMSNorm (+ residual)", model.model.norm.forward)
+    model.compute_logits = timer.wrap("lm_head", model.compute_logits)
+    runner.prepare = timer.wrap("input preparation", runner.prepare)
+    runner.sampler = timer.wrap("sampling", runner.sampler)
+
+
+def build_runner(model_dir: Path, prompts: list[list[int]], decode_steps: int):
+    """The Worker's model, a KV cache that holds every prompt plus its decode steps, a runner."""
+    import torch
+
+    from actorserve.actors.config import EngineConfig
+    from actorserve.actors.worker.kv_cache import KVCache
+    from actorserve.actors.worker.loader import load_model
+    from actorserve.actors.worker.runner import ModelRunner
+    from actorserve.kernels import attention_ops
+
+    config = EngineConfig(model=str(model_dir)).resolve_model()
+    device = torch.device("cpu")
+    model, shape = load_model(config.model, device, torch.float32, attention_ops(device, "auto"))
+    bs = config.block_size
+    blocks = [(len(p) + decode_steps + 1 + bs - 1) // bs for p in prompts]
+    kv = KVCache(
+        shape.num_layers, sum(blocks), 0, bs, shape.num_kv_heads, shape.head_dim,
+        torch.float32, device,
+    )  # fmt: skip
+    return ModelRunner(config, model, kv, device), shape, blocks
+
+
+def prefill(runner, prompts: list[list[int]], blocks: list[int], budget: int) -> list[str]:
+    """Every prompt computed (and its first token sampled), in steps of at most `budget` tokens."""
+    from actorserve.messages.common import SamplingParams
+    from actorserve.messages.step import NewRequest, StepPlan
+
+    params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+    rids, batch, tokens, first_block, step_id = [], [], 0, 0, 0
+    for i, (prompt, n) in enumerate(zip(prompts, blocks)):
+        if batch and tokens + len(prompt) > budget:
+            step_id += 1
+            runner.execute(StepPlan(0, step_id, [], [], batch))
+            batch, tokens = [], 0
+        rid = f"req-{i}"
+        block_ids = list(range(first_block, first_block + n))
+        batch.append(NewRequest(rid, prompt, len(prompt), block_ids, len(prompt), params))
+        rids.append(rid)
+        tokens += len(prompt)
+        first_block += n
+    runner.execute(StepPlan(0, step_id + 1, [], [], batch))
+    return rids
+
+
+def streaming_read_gb_s(num_bytes: int, slices: int = 4) -> float:
+    """Best of 8 sums over `num_bytes` of float32 that are not in cache (each read takes the next
+    of `slices` such buffers, so three others went through the caches since it was last read),
+    with torch's threads: what a read of the step's K/V from memory can reach."""
+    import torch
+
+    n = max(1, num_bytes // 4)
+    x = torch.ones(slices * n)
+    best = float("inf")
+    for i in range(2 * slices):
+        part = x[(i % slices) * n : (i % slices + 1) * n]
+        start = time.perf_counter()
+        part.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_step", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="demo", help="checkpoint kind or directory")
+    parser.add_argument("--num-requests", type=int, default=64, help="the batch (default 64)")
+    parser.add_argument("--max-prompt-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=30, help="timed decode steps")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    bc.add_common_flags(parser)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    threads = args.threads or bc.default_threads()
+    torch.set_num_threads(threads)
+    model_dir = bc.resolve_model(args.model)
+    vocab = bc.ModelShape.read(model_dir).vocab
+    workload = bc.make_workload(
+        args.num_requests, args.seed, (16, args.max_prompt_len), (1, 1), vocab
+    )
+    prompts = [r.prompt_ids for r in workload]
+    runner, shape, blocks = build_runner(model_dir, prompts, args.warmup + args.steps)
+    timer = OpTimer()
+    instrument(runner, timer)
+
+    from actorserve.messages.step import RunningUpdate, StepPlan
+
+    with torch.inference_mode():
+        rids = prefill(runner, prompts, blocks, runner.config.max_num_batched_tokens)
+        kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4
+        step_times, kv_bytes = [], []
+        for i in range(args.warmup + args.steps):
+            timer.on = i >= args.warmup
+            contexts = sum(len(runner.requests[rid].token_ids) for rid in rids)
+            plan = StepPlan(0, 1000 + i, [], [RunningUpdate(rid, [], 1) for rid in rids], [])
+            start = time.perf_counter()
+            runner.execute(plan)
+            if timer.on:
+                step_times.append(time.perf_counter() - start)
+                kv_bytes.append(contexts * kv_bytes_per_token)
+
+    step = statistics.fmean(step_times)
+    rows = [
+        {"table": "step", "op": name, "ms": s / args.steps * 1e3, "share": s / args.steps / step}
+        for name, s in sorted(timer.seconds.items(), key=lambda kv: -kv[1])
+    ]
+    rest = step - sum(timer.seconds.values()) / args.steps
+    rows.append({"table": "step", "op": "rest (embedding, Python between ops)", "ms": rest * 1e3,
+                 "share": rest / step})  # fmt: skip
+    rows.append({"table": "step", "op": f"step ({args.num_requests} decodes)", "ms": step * 1e3,
+                 "share": 1.0, "p50_ms": bc.percentile(step_times, 50) * 1e3})  # fmt: skip
+    attention_s = timer.seconds["decode attention"] / args.steps
+    mean_kv = statistics.fmean(kv_bytes)
+    kv_row = {
+        "table": "kv",
+        "kv_mb_per_step": mean_kv / 1e6,
+        "attention_gb_s": mean_kv / attention_s / 1e9,
+        "streaming_read_gb_s": streaming_read_gb_s(int(mean_kv)),
+    }
+    label = bc.model_label(args.model)
+    print()
+    print(
+        bc.format_table(
+            rows,
+            [
+                bc.Column("op", "op"),
+                bc.Column("ms", "ms / step", "{:.2f}"),
+                bc.Column("share", "share of step", "{:.1%}"),
+            ],
+            title=f"The Worker's decode step alone, {label}, {args.num_requests} requests "
+            f"(mean of {args.steps} steps after {args.warmup}; p50 step "
+            f"{rows[-1]['p50_ms']:.2f} ms):",
+        )
+    )
+    print()
+    print(
+        bc.format_table(
+            [kv_row],
+            [
+                bc.Column("kv_mb_per_step", "K/V read a step (MB)", "{:.1f}"),
+                bc.Column("attention_gb_s", "decode attention GB/s", "{:.1f}"),
+                bc.Column(
+                    "streaming_read_gb_s", "reading as many bytes from memory, GB/s", "{:.1f}"
+                ),
+            ],
+        )
+    )
+    print(f"\nMachine: {bc.machine_line(threads)}.")
+    bc.write_json(args.json, rows + [kv_row])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""The benchmark scripts run end to end on a tiny checkpoint and write the tables they print."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def run_script(name: str, *args: str, json_path: Path) -> list[dict]:
+    command = [sys.executable, str(SCRIPTS / name), *args, "--json", str(json_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(json_path.read_text())
+
+
+def test_bench_step_times_every_op_once_and_within_the_step(llama_dir, tmp_path):
+    rows = run_script(
+        "bench_step.py", "--model", str(llama_dir), "--num-requests", "4", "--max-prompt-len",
+        "40", "--steps", "3", "--warmup", "1", json_path=tmp_path / "step.json",
+    )  # fmt: skip
+    ops = {r["op"]: r for r in rows if r["table"] == "step"}
+    for op in ("decode attention", "lm_head", "GEMM qkv_proj", "input preparation", "sampling"):
+        assert ops[op]["ms"] > 0
+    # no op is timed inside another (the timed ops fit in the step, leaving a rest >= 0)
+    assert 0 <= ops["rest (embedding, Python between ops)"]["ms"] < ops["step (4 decodes)"]["ms"]
+    (kv,) = [r for r in rows if r["table"] == "kv"]
+    assert kv["kv_mb_per_step"] > 0 and kv["attention_gb_s"] > 0
+
+
+def test_bench_overhead_measures_the_ipc_round_trips_against_the_os_floor(tmp_path):
+    rows = run_script(
+        "bench_overhead.py", "--skip-steps", "--num-requests", "8", "--ipc-iterations", "50",
+        json_path=tmp_path / "ipc.json",
+    )  # fmt: skip
+    modes = {r["mode"] for r in rows}
+    assert modes == {"asyncio", "blocking", "socketpair"}
+    assert all(r["p50_us"] > 0 and r["p99_us"] >= r["p50_us"] for r in rows)
