@@ -26,8 +26,8 @@
  *   vectorized exp (Cephes' polynomial, within 2 ulp of expf);
  * - V: out += p * V a chunk at a time, output vectors held in registers; divided by the sum last.
  * Whole sequences keep a block's reads contiguous (all its heads) for the hardware prefetchers,
- * which do not cross 4 KiB pages; every line of the next block (an id from the table, which they
- * cannot guess) is prefetched one block ahead. Sequences go longest first so that the last items
+ * which do not cross 4 KiB pages; the pages of the next block (an id from the table, which they
+ * cannot guess) are touched one block ahead. Sequences go longest first so that the last items
  * handed out are short and the threads finish together.
  * Written with GCC vector extensions (any target gcc supports) plus FMA / max intrinsics where
  * the target has them: -std=c11 keeps gcc from contracting a * b + c by itself.
@@ -156,14 +156,13 @@ INLINE void weighted_add(float *restrict o, const float *restrict w, const float
         for (int t = 0; t < n; t++) o[i] += w[t] * v[t * stride + i];
 }
 
-/* Prefetch every cache line of a cache block, a block before it is read: the hardware
- * prefetchers cannot guess the next block's address (an id from the table) and stop at 4 KiB
- * pages. (Touching one line a page only, or prefetching two blocks ahead, measured 3-11% slower
- * in scripts/bench_step.py; non-temporal prefetches, twice as slow.) */
-INLINE void prefetch_block(const float *block, int64_t floats) {
+/* Touch each 4 KiB page of a cache block, so that the TLB walk and the first miss of each page
+ * (which starts the hardware prefetcher's stream there) happen a block early. */
+INLINE void touch_pages(const float *block, int64_t floats) {
     const char *p = (const char *)block;
     const int64_t bytes = floats * (int64_t)sizeof(float);
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+    for (int64_t off = 0; off < bytes; off += 4096) __builtin_prefetch(p + off);
+    __builtin_prefetch(p + bytes - 1);
 }
 
 /* Scores per head: a row of ROW(len) floats, room for the last chunk's whole vector. */
@@ -182,8 +181,8 @@ INLINE void attend(const float *restrict q, const float *restrict k_cache,
     /* pass 1: scores[head][pos]; a chunk's lanes past its tokens are overwritten by the next
      * chunk or lie past len */
     for (int64_t b = 0; b < nblocks; b++) {
-        if (b + 1 < nblocks)
-            prefetch_block(k_cache + (int64_t)table[b + 1] * block_stride, block_stride);
+        if (b + 1 < nblocks) touch_pages(k_cache + (int64_t)table[b + 1] * block_stride,
+                                         block_stride);
         const int64_t start = b * bs, in_block = len - start < bs ? len - start : bs;
         const float *k = k_cache + (int64_t)table[b] * block_stride + kvh * d;
         for (int64_t c = 0; c < in_block; c += VW) {
@@ -220,8 +219,8 @@ INLINE void attend(const float *restrict q, const float *restrict k_cache,
     }
     /* pass 2: out = the exp-weighted sum of V, then / the sum */
     for (int64_t b = 0; b < nblocks; b++) {
-        if (b + 1 < nblocks)
-            prefetch_block(v_cache + (int64_t)table[b + 1] * block_stride, block_stride);
+        if (b + 1 < nblocks) touch_pages(v_cache + (int64_t)table[b + 1] * block_stride,
+                                         block_stride);
         const int64_t start = b * bs, in_block = len - start < bs ? len - start : bs;
         const float *v = v_cache + (int64_t)table[b] * block_stride + kvh * d;
         for (int64_t c = 0; c < in_block; c += VW) {
