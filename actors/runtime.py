@@ -69,10 +69,17 @@ class LoopSocket:
         while not socket.getsockopt(_EVENTS) & _POLLIN:
             if self._loop is None:
                 self._loop = asyncio.get_running_loop()
-                self._loop.add_reader(socket.getsockopt(zmq.FD), self._readable.set)
+                self._loop.add_reader(socket.getsockopt(zmq.FD), self._on_fd)
             self._readable.clear()
             if not socket.getsockopt(_EVENTS) & _POLLIN:
                 await self._readable.wait()
+
+    def _on_fd(self) -> None:
+        """The FD stays readable until zmq processes the socket's commands; reading ZMQ_EVENTS
+        here does that, so the loop (level-triggered) does not call back on every turn while
+        the reader is busy elsewhere."""
+        if self.socket.getsockopt(_EVENTS) & _POLLIN:
+            self._readable.set()
 
     async def receive(self) -> bytes:
         await self._wait_readable()

@@ -67,3 +67,35 @@ async def test_a_reply_sent_while_the_reader_sleeps_does_not_hide_a_request_that
         router.close()
         dealer.close(0)
         ctx.term()
+
+
+class CountingEvent(asyncio.Event):
+    sets = 0
+
+    def set(self) -> None:
+        self.sets += 1
+        super().set()
+
+
+async def test_a_message_arriving_after_the_reader_stopped_does_not_keep_the_loop_spinning():
+    """The FD stays readable until zmq processes the socket's commands: once the reading task is
+    gone (an actor stopping: its teardown may take a step), the loop must not call back on every
+    turn."""
+    ctx = zmq.Context()
+    reader = ctx.socket(zmq.PULL)
+    reader.bind("inproc://stopped")
+    mailbox = LoopSocket(reader)
+    mailbox._readable = wakeups = CountingEvent()
+    writer = ctx.socket(zmq.PUSH)
+    writer.connect("inproc://stopped")
+    try:
+        waiting = asyncio.create_task(mailbox.receive())
+        await asyncio.sleep(0.01)  # asleep on the FD: the loop watches it from here on
+        waiting.cancel()
+        writer.send(b"late")  # nobody will read it
+        await asyncio.sleep(0.1)  # the loop turns freely meanwhile
+        assert wakeups.sets <= 2  # not once a turn
+    finally:
+        mailbox.close()
+        writer.close(0)
+        ctx.term()
