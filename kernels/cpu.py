@@ -126,8 +126,8 @@ class CpuAttention:
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             return None
         meta = [t.to(torch.int32).contiguous() for t in (block_tables, seq_lens, query_start_loc)]
-        out = torch.empty_like(q)
         q = q.contiguous()
+        out = torch.empty_like(q)  # contiguous, as the kernel writes it
         native.decode_attention(self.native, q, k_cache, v_cache, *meta, scale, out)
         return out
 
@@ -187,11 +187,9 @@ def _grouped_decode(q, k_cache, v_cache, g: _DecodeGroup, scale: float, gqa: boo
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """[N, V] -> [N] int64, the first maximum of each row (as logits.max(dim=-1).indices): in C
     (kernels/cpu_argmax.c, one pass, ~3x faster at a step's logits) for fp32 CPU logits."""
-    cpu_fp32 = logits.device.type == "cpu" and logits.dtype == torch.float32
-    if cpu_fp32 and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[-1] > 0:
-        lib = native.load()
-        if lib is not None:
-            return native.argmax_rows(lib, logits)
+    lib = native.library_for(logits) if logits.shape[-1] > 0 else None
+    if lib is not None:
+        return native.argmax_rows(lib, logits)
     return logits.max(dim=-1).indices
 
 
@@ -207,6 +205,7 @@ def store_kv(
     fits = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
     fits = fits and k_cache.is_contiguous() and v_cache.is_contiguous()
     fits = fits and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+    fits = fits and k.shape[1:] == v.shape[1:] == k_cache.shape[2:]  # the rows the C copies
     lib = native.load() if fits and slot_mapping.dtype == torch.int64 else None
     if lib is None:
         reference.store_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -15,15 +15,15 @@ static int64_t row_argmax(const float *x, int64_t cols) {
     int64_t best_col = 0;
     float best = x[0];
     if (cols >= VW) {
-        vf value = *(const vf_mem *)x;
+        vf value = load(x);
         vi column = {0}, step = {0};
         for (int l = 0; l < VW; l++) column[l] = l, step[l] = VW;
         vi where = column;
         for (c = VW; c + VW <= cols; c += VW) {
             column += step;
-            const vf v = *(const vf_mem *)(x + c);
+            const vf v = load(x + c);
             const vi greater = v > value;
-            value = (vf)((greater & (vi)v) | (~greater & (vi)value));
+            value = vselect(greater, v, value);
             where = (greater & column) | (~greater & where);
         }
         best = value[0];

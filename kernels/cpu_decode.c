@@ -271,6 +271,10 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
             order[count++] = (int64_t)seq_lens[b] << 32 | b;
             if (seq_lens[b] > max_len) max_len = seq_lens[b];
         }
+    if (count == 0) { /* a step of prefill chunks only: no thread team, no scratch */
+        free(order);
+        return 0;
+    }
     qsort(order, count, sizeof(int64_t), descending);
 #if defined(_OPENMP)
     const int64_t threads = omp_get_max_threads();

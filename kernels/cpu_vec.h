@@ -1,4 +1,4 @@
-/* Vector helpers shared by the CPU kernels (cpu_decode.c, cpu_elementwise.c): GCC vector
+/* Vector helpers shared by the CPU kernels (cpu_decode.c, cpu_elementwise.c, cpu_argmax.c): GCC vector
  * extensions of VW floats (16 with AVX-512, 8 with AVX, else 4) plus FMA / max intrinsics where
  * the target has them; -std=c11 keeps gcc from contracting a * b + c by itself. */
 #ifndef ACTORSERVE_CPU_VEC_H

@@ -10,22 +10,15 @@ import torch.nn.functional as F
 from . import native
 
 
-def _c_library(*tensors: torch.Tensor):
-    """The C library when every tensor is an fp32 CPU matrix with contiguous rows, else None."""
-    for t in tensors:
-        if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 2 or t.stride(-1) != 1:
-            return None
-    return native.load()
-
-
 def rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """LlamaRMSNorm of s = x + residual (of x alone when residual is None) -> (normed, s or None).
 
     x [..., D]; the C path takes [N, D] with contiguous rows and a contiguous residual."""
-    if residual is None or residual.is_contiguous():
-        lib = _c_library(x) if weight.dtype == torch.float32 else None
+    if residual is None or (residual.is_contiguous() and residual.shape == x.shape):
+        both = (x,) if residual is None else (x, residual)
+        lib = native.library_for(*both) if weight.dtype == torch.float32 else None
         if lib is not None:
             return native.rms_norm(lib, x, residual, weight, eps)
     if residual is not None:
@@ -38,7 +31,7 @@ def rms_norm(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [N, 2I] (gate columns, then up) -> silu(gate) * up [N, I], as LlamaMLP."""
-    lib = _c_library(gate_up) if gate_up.is_contiguous() else None
+    lib = native.library_for(gate_up) if gate_up.is_contiguous() else None
     if lib is not None:
         return native.silu_mul(lib, gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -59,10 +60,11 @@ def build() -> Path | None:
     """Compile the sources (or find them compiled) -> the library's path; None without a compiler.
 
     Raises RuntimeError when the compiler fails."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or platform.system() != "Linux":
+    given = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if given is None or platform.system() != "Linux":
         return None
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    compiler = shlex.split(given)  # CC may carry words: "ccache gcc"
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         "\0".join(
             [
@@ -80,11 +82,10 @@ def build() -> Path | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        result = subprocess.run(
-            [compiler, *map(str, SOURCES), "-o", str(built), *FLAGS], capture_output=True, text=True
-        )
+        command = [*compiler, *map(str, SOURCES), "-o", str(built), *FLAGS]
+        result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{given} failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: concurrent builders each install a whole file
     return target
 
@@ -114,6 +115,14 @@ def load() -> ctypes.CDLL | None:
     lib.silu_mul.restype = None
     lib.silu_mul.argtypes = [ptr, i64, i64, ptr]
     return lib
+
+
+def library_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The C library when every tensor is an fp32 CPU matrix with contiguous rows, else None."""
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 2 or t.stride(-1) != 1:
+            return None
+    return load()
 
 
 def decode_attention(
