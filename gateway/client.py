@@ -11,6 +11,7 @@ comes back for `liveness_timeout_s` every stream fails with EngineUnavailable. N
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import uuid
@@ -90,13 +91,13 @@ class _Stream:
         self.collect = collect
         self.pending: dict[int, Delta] = {}
         self.collected: list[Delta] = []
-        self.pushes = 0  # deltas received: a collecting reader's sign of life
+        self.last_push = time.monotonic()  # when a delta last came: a collecting one's liveness
         self.finished = 0  # samples whose last delta has arrived
         self.error: EngineError | None = None
         self.event = asyncio.Event()
 
     def push(self, delta: Delta) -> None:
-        self.pushes += 1
+        self.last_push = time.monotonic()
         self.finished += delta.finished
         if self.collect:
             self.collected.append(delta)
@@ -249,16 +250,16 @@ class AsyncClient:
     async def _wait(self, stream: _Stream) -> None:
         """Until the stream has news (a collecting one: until it has finished); raises its
         failure, or EngineUnavailable when nothing came for `timeout_s`."""
-        while True:
-            pushes = stream.pushes
-            try:
-                await asyncio.wait_for(stream.event.wait(), self.timeout_s)
-                break
-            except asyncio.TimeoutError:
-                if stream.pushes == pushes:  # nothing at all came for timeout_s
+        while not stream.event.is_set():
+            left = None
+            if self.timeout_s is not None:
+                left = stream.last_push + self.timeout_s - time.monotonic()
+                if left <= 0:
                     raise EngineUnavailable(
                         f"no reply from the engine at {self.address} in {self.timeout_s} s"
-                    ) from None
+                    )
+            with contextlib.suppress(asyncio.TimeoutError):  # then look at last_push again
+                await asyncio.wait_for(stream.event.wait(), left)
         stream.event.clear()
         if stream.error is not None:
             raise stream.error
@@ -368,7 +369,7 @@ class Client:
         self, prompt: str | list[int], params: SamplingParams | None = None
     ) -> list[Delta]:
         """Every sample of the request (`params.n` of them) as one joined Delta, by index."""
-        return join_samples(list(self.generate(prompt, params)))
+        return self._call(self._async.complete_all(prompt, params))
 
     def abort(self, request_id: str) -> None:
         self._call(self._async.abort(request_id))

@@ -163,14 +163,10 @@ class Gateway:
         stream = self.client.generate(
             "health", SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), rid
         )
-        finished = False
 
         async def one_token() -> None:
-            nonlocal finished
-            async for delta in stream:
-                finished = delta.finished
-            if not finished:
-                raise EngineError("the probe request ended without finishing", "unavailable")
+            async for _ in stream:  # the SDK's stream ends once the request has finished
+                pass
 
         try:
             await asyncio.wait_for(one_token(), timeout)
