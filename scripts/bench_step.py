@@ -2,12 +2,13 @@
 
     python scripts/bench_step.py [--model demo] [--num-requests 64] [--steps 30] [--json PATH]
 
-Builds the Worker's own pieces in this process (loader, KV cache, ModelRunner: no other actor,
-no message), prefills `--num-requests` prompts of the throughput workload's lengths, then times
-`--steps` decode steps of all of them at once. Each op is timed by wrapping its call in
-time.perf_counter (the C kernels are opaque to torch's profiler): decode attention, the LM head,
-the projection GEMMs, the fused norms, RoPE, SiLU x up, store_kv, input preparation, sampling;
-"rest" is the step less all of them (embedding, Python between ops, bookkeeping).
+Builds the Worker's own runner in this process (its build_runner: model, KV cache,
+ModelRunner; no other actor, no message), prefills `--num-requests` prompts of the throughput
+workload's lengths, then times `--steps` decode steps of all of them at once. Each op is timed by
+wrapping its call in time.perf_counter (the C kernels are opaque to torch's profiler): decode
+attention, the LM head, the projection GEMMs, the fused norms, RoPE, SiLU x up, store_kv, input
+preparation, sampling; "rest" is the step less all of them (embedding, Python between ops,
+bookkeeping).
 
 Decode attention reads every context's K/V once a layer, so it is also reported as bytes a step
 and the bandwidth they imply, next to a plain read of as many bytes from memory (not in cache),
@@ -77,26 +78,19 @@ def instrument(runner, timer: OpTimer) -> None:
     runner.sampler = timer.wrap("sampling", runner.sampler)
 
 
-def build_runner(model_dir: Path, prompts: list[list[int]], decode_steps: int):
-    """The Worker's model, a KV cache that holds every prompt plus its decode steps, a runner."""
-    import torch
+def build(model_dir: Path, prompts: list[list[int]], decode_steps: int):
+    """The Worker's own runner (actors/worker/worker.py build_runner), on the CPU, with a KV
+    cache that holds every prompt plus its decode steps -> (runner, blocks per prompt)."""
+    import msgspec
 
     from actorserve.actors.config import EngineConfig
-    from actorserve.actors.worker.kv_cache import KVCache
-    from actorserve.actors.worker.loader import load_model
-    from actorserve.actors.worker.runner import ModelRunner
-    from actorserve.kernels import attention_ops
+    from actorserve.actors.worker.worker import build_runner
 
-    config = EngineConfig(model=str(model_dir)).resolve_model()
-    device = torch.device("cpu")
-    model, shape = load_model(config.model, device, torch.float32, attention_ops(device, "auto"))
+    config = EngineConfig(model=str(model_dir), device="cpu").resolve_model()
     bs = config.block_size
     blocks = [(len(p) + decode_steps + 1 + bs - 1) // bs for p in prompts]
-    kv = KVCache(
-        shape.num_layers, sum(blocks), 0, bs, shape.num_kv_heads, shape.head_dim,
-        torch.float32, device,
-    )  # fmt: skip
-    return ModelRunner(config, model, kv, device), shape, blocks
+    config = msgspec.structs.replace(config, num_kv_blocks=sum(blocks), num_cpu_blocks=0)
+    return build_runner(config), blocks
 
 
 def prefill(runner, prompts: list[list[int]], blocks: list[int], budget: int) -> list[str]:
@@ -159,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         args.num_requests, args.seed, (16, args.max_prompt_len), (1, 1), vocab
     )
     prompts = [r.prompt_ids for r in workload]
-    runner, shape, blocks = build_runner(model_dir, prompts, args.warmup + args.steps)
+    runner, blocks = build(model_dir, prompts, args.warmup + args.steps)
     timer = OpTimer()
     instrument(runner, timer)
 
@@ -167,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with torch.inference_mode():
         rids = prefill(runner, prompts, blocks, runner.config.max_num_batched_tokens)
-        kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4
+        kv_bytes_per_token = sum(k[0, 0].nbytes + v[0, 0].nbytes for k, v in runner.kv.layers)
         step_times, kv_bytes = [], []
         for i in range(args.warmup + args.steps):
             timer.on = i >= args.warmup

@@ -22,6 +22,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ):
+        self.num_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.layers = [
             (

@@ -15,6 +15,7 @@ is already waiting and the next forward starts at once, with no hop through the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import queue
 import sys
@@ -24,6 +25,7 @@ from ...kernels import attention_ops
 from ...messages.codec import WorkerInbox, encode
 from ...messages.control import Ready, Reset
 from ...messages.step import StepPlan, StepResult
+from ..config import EngineConfig
 from ..runtime import Actor, actor_main
 
 GIB = 1 << 30
@@ -39,6 +41,57 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return 4 * GIB
+
+
+def build_runner(cfg: EngineConfig):
+    """Load the model, allocate the KV cache (`num_kv_blocks`, else as many blocks as the memory
+    budget holds), make the ModelRunner: what the Worker serves with (scripts/bench_step.py
+    measures the same one)."""
+    import torch
+
+    from .kv_cache import KVCache
+    from .loader import load_model
+    from .runner import ModelRunner
+
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    )
+    dtype = {
+        "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }[cfg.dtype]
+    ops = attention_ops(device, cfg.attention_backend)
+    model, shape = load_model(cfg.model, device, dtype, ops)
+    layout = (shape.num_layers, cfg.block_size, shape.num_kv_heads, shape.head_dim)
+    block_bytes = KVCache.block_bytes(*layout, dtype)
+    num_blocks = cfg.num_kv_blocks or max(1, kv_budget_bytes(cfg, device) // block_bytes)
+    num_cpu_blocks = cfg.num_cpu_blocks
+    if num_cpu_blocks is None:
+        num_cpu_blocks = num_blocks if cfg.preemption_mode == "swap" else 0
+    kv = KVCache(
+        shape.num_layers, num_blocks, num_cpu_blocks, cfg.block_size, shape.num_kv_heads,
+        shape.head_dim, dtype, device,
+    )  # fmt: skip
+    logging.getLogger(Worker.name).info(
+        "model %s on %s (%s, %d threads, attention %s): %d KV blocks of %d tokens",
+        cfg.model, device, dtype, torch.get_num_threads(), ops.name, num_blocks, cfg.block_size,
+    )  # fmt: skip
+    return ModelRunner(cfg, model, kv, device)
+
+
+def kv_budget_bytes(cfg: EngineConfig, device) -> int:
+    """Memory for the KV cache: kv_cache_memory_gb, else 90% of free GPU memory less 1 GiB of
+    headroom on CUDA, else a quarter of available memory up to 1 GiB."""
+    import torch
+
+    if cfg.kv_cache_memory_gb is not None:
+        return int(cfg.kv_cache_memory_gb * GIB)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(0, int(free * 0.9) - GIB)  # headroom for activations
+    return min(GIB, available_memory_bytes() // 4)
 
 
 class Worker(Actor):
@@ -58,71 +111,14 @@ class Worker(Actor):
         self.forward = loop.run_in_executor(self.executor, self._forward_loop)
 
     def _build(self) -> None:
-        """Load the model, allocate the KV cache, make the runner (on the forward thread)."""
+        """Set the torch threads, then build the runner (on the forward thread)."""
         import torch
 
-        from .kv_cache import KVCache
-        from .loader import load_model
-        from .runner import ModelRunner
-
-        cfg = self.config
-        threads = cfg.torch_threads or os.cpu_count() or 1
-        torch.set_num_threads(threads)
-        device = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-        )
-        dtype = {
-            "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-            "float32": torch.float32,
-            "bfloat16": torch.bfloat16,
-            "float16": torch.float16,
-        }[cfg.dtype]
-        ops = attention_ops(device, cfg.attention_backend)
-        model, model_config = load_model(cfg.model, device, dtype, ops)
-        layout = (
-            model_config.num_layers,
-            cfg.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-        )
-        block_bytes = KVCache.block_bytes(*layout, dtype)
-        num_blocks = cfg.num_kv_blocks or max(1, self._kv_budget(device) // block_bytes)
-        num_cpu_blocks = cfg.num_cpu_blocks
-        if num_cpu_blocks is None:
-            num_cpu_blocks = num_blocks if cfg.preemption_mode == "swap" else 0
-        kv = KVCache(
-            model_config.num_layers,
-            num_blocks,
-            num_cpu_blocks,
-            cfg.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            dtype,
-            device,
-        )
-        self.num_kv_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
-        self.epoch = cfg.epoch
-        self.runner = ModelRunner(cfg, model, kv, device)
-        self.log.info(
-            "model %s on %s (%s, %d threads, attention %s): %d KV blocks of %d tokens",
-            cfg.model,
-            device,
-            dtype,
-            threads,
-            ops.name,
-            num_blocks,
-            cfg.block_size,
-        )
-
-    def _kv_budget(self, device) -> int:
-        import torch
-
-        if self.config.kv_cache_memory_gb is not None:
-            return int(self.config.kv_cache_memory_gb * GIB)
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            return max(0, int(free * 0.9) - GIB)  # headroom for activations
-        return min(GIB, available_memory_bytes() // 4)
+        torch.set_num_threads(self.config.torch_threads or os.cpu_count() or 1)
+        self.runner = build_runner(self.config)
+        self.num_kv_blocks = self.runner.kv.num_blocks
+        self.num_cpu_blocks = self.runner.kv.num_cpu_blocks
+        self.epoch = self.config.epoch
 
     def ready(self) -> Ready:
         return Ready(
