@@ -136,6 +136,9 @@ def step_breakdown(steps: list[dict], batch: int) -> list[dict]:
 # -- 2. message round trip --------------------------------------------------------------------
 
 
+WARMUP = 50  # round trips before the measured ones
+
+
 def _plans(n: int, prompt_len: int):
     from actorserve.messages.common import SamplingParams
     from actorserve.messages.step import NewRequest, RunningUpdate, StepPlan, StepResult
@@ -242,28 +245,17 @@ def ipc_round_trips(n: int, prompt_len: int, iterations: int, mode: str) -> list
             for name, plan in plans.items():
                 samples = []
                 size = len(encode(plan))
-                for i in range(iterations + 50):
+                for i in range(iterations + WARMUP):
                     start = time.perf_counter()
                     push.send(encode(plan), copy=False)
                     data = pull.recv() if blocking else await mailbox.receive()
                     reply = decoder.decode(data)
                     elapsed = time.perf_counter() - start
                     assert reply.step_id == 1
-                    if i >= 50:  # warm-up
+                    if i >= WARMUP:
                         samples.append(elapsed)
                 label = f"StepPlan {name}" + ("" if name == "empty" else f", {n} reqs")
-                rows.append(
-                    {
-                        "table": "ipc",
-                        "message": f"{label} ({mode})",
-                        "mode": mode,
-                        "bytes": size,
-                        "p50_us": bc.percentile(samples, 50) * 1e6,
-                        "p99_us": bc.percentile(samples, 99) * 1e6,
-                        "mean_us": statistics.fmean(samples) * 1e6,
-                        "iterations": iterations,
-                    }
-                )
+                rows.append(latency_row(f"{label} ({mode})", mode, size, samples))
             push.send(b"stop")
             mailbox.close()
             push.close(linger=1000)
@@ -300,25 +292,30 @@ def socketpair_floor(iterations: int) -> dict:
     theirs.close()
     samples = []
     try:
-        for i in range(iterations + 50):
+        for i in range(iterations + WARMUP):
             start = time.perf_counter()
             ours.sendall(b"x" * 18)
             ours.recv(65536)
-            if i >= 50:
+            if i >= WARMUP:
                 samples.append(time.perf_counter() - start)
         ours.sendall(b"stop")
     finally:
         ours.close()
         echo.wait(10)
+    return latency_row("18 bytes over a socketpair (OS floor, no zmq)", "socketpair", 18, samples)
+
+
+def latency_row(message: str, mode: str, size: int, samples: list[float]) -> dict:
+    """One row of the ipc table from round-trip times in seconds (warm-up already left out)."""
     return {
         "table": "ipc",
-        "message": "18 bytes over a socketpair (OS floor, no zmq)",
-        "mode": "socketpair",
-        "bytes": 18,
+        "message": message,
+        "mode": mode,
+        "bytes": size,
         "p50_us": bc.percentile(samples, 50) * 1e6,
         "p99_us": bc.percentile(samples, 99) * 1e6,
         "mean_us": statistics.fmean(samples) * 1e6,
-        "iterations": iterations,
+        "iterations": len(samples),
     }
 
 

@@ -17,7 +17,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import Column, ModelShape, format_table, resolve_model, write_json  # noqa: E402
+from bench_common import (  # noqa: E402
+    Column,
+    ModelShape,
+    add_common_flags,
+    format_table,
+    resolve_model,
+    write_json,
+)
 
 from actorserve.messages.common import SamplingParams  # noqa: E402
 from actorserve.offline import LLM  # noqa: E402
@@ -45,9 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="demo")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--num-kv-blocks", type=int, default=96)
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", default=None)
+    add_common_flags(parser)
     args = parser.parse_args(argv)
     model = resolve_model(args.model)
     prompts, params = workload(args.requests, args.seed, ModelShape.read(model).vocab)

@@ -19,7 +19,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import Column, ModelShape, format_table, percentile, resolve_model  # noqa: E402
+from bench_common import (  # noqa: E402
+    Column,
+    ModelShape,
+    add_common_flags,
+    format_table,
+    percentile,
+    resolve_model,
+)
 
 from actorserve.actors.config import EngineConfig  # noqa: E402
 from actorserve.actors.supervisor import BackgroundSupervisor  # noqa: E402
@@ -71,9 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--system-tokens", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=1, help="tokens per request (TTFT)")
-    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", default=None)
+    add_common_flags(parser)
     args = parser.parse_args(argv)
     model = resolve_model(args.model)
     vocab = ModelShape.read(model).vocab

@@ -292,7 +292,8 @@ class Server:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"actorserve serve exited early:\n{self.tail()}")
-            found = re.search(r"actorserve: http://[^\s:]+:(\d+)", self.log_path.read_text())
+            log = self.log_path.read_text(errors="replace")
+            found = re.search(r"actorserve: http://[^\s:]+:(\d+)", log)
             if found:
                 self.port = int(found.group(1))
                 return

@@ -6,7 +6,7 @@ bash scripts/setup.sh
 # Headless Chromium for the playground test (Debian's package; needs root, as in CI).
 if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
-        || echo "warning: could not install chromium; the playground test will skip" >&2
+        || echo "warning: could not install chromium; the playground test will fail (it skips only outside CI)" >&2
 fi
 . .venv/bin/activate
 ruff check .

@@ -23,8 +23,12 @@ def test_bench_step_times_every_op_once_and_within_the_step(llama_dir, tmp_path)
         "40", "--steps", "3", "--warmup", "1", json_path=tmp_path / "step.json",
     )  # fmt: skip
     ops = {r["op"]: r for r in rows if r["table"] == "step"}
-    for op in ("decode attention", "lm_head", "GEMM qkv_proj", "input preparation", "sampling"):
-        assert ops[op]["ms"] > 0
+    timed = [
+        "decode attention", "lm_head", "GEMM qkv_proj", "GEMM o_proj", "GEMM gate_up_proj",
+        "GEMM down_proj", "RMSNorm (+ residual)", "RoPE (q and k)", "SiLU x up", "store_kv",
+        "input preparation", "sampling",
+    ]  # fmt: skip
+    assert all(ops[op]["ms"] > 0 for op in timed)
     # no op is timed inside another (the timed ops fit in the step, leaving a rest >= 0)
     assert 0 <= ops["rest (embedding, Python between ops)"]["ms"] < ops["step (4 decodes)"]["ms"]
     (kv,) = [r for r in rows if r["table"] == "kv"]
@@ -38,4 +42,4 @@ def test_bench_overhead_measures_the_ipc_round_trips_against_the_os_floor(tmp_pa
     )  # fmt: skip
     modes = {r["mode"] for r in rows}
     assert modes == {"asyncio", "blocking", "socketpair"}
-    assert all(r["p50_us"] > 0 and r["p99_us"] >= r["p50_us"] for r in rows)
+    assert all(r["p50_us"] > 0 and r["iterations"] == 50 for r in rows)
