@@ -77,7 +77,11 @@ def test_a_new_step_with_other_metadata_is_not_served_the_old_layout(attention):
         )
 
 
-def test_half_precision_falls_back_to_the_torch_path():
+def test_half_precision_falls_back_to_the_torch_path(monkeypatch):
+    def no_c(*args):
+        raise AssertionError("the C kernel is fp32 only")
+
+    monkeypatch.setattr(native, "decode_attention", no_c)
     batch = make_batch([1, 1, 5], [9, 40, 5], dtype=torch.bfloat16)
     torch.testing.assert_close(
         cpu.CpuAttention().paged_attention(*batch.args()),
@@ -90,8 +94,20 @@ def test_the_kernel_library_is_cached_by_content(tmp_path, monkeypatch):
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     first = native.build()
     assert first is not None and first.parent == tmp_path
-    assert native.build() == first  # a second build finds the first one
+    built_at = first.stat().st_mtime_ns
+    monkeypatch.setattr(native.subprocess, "run", _compiler_only_for_version(native.subprocess.run))
+    assert native.build() == first  # a second build finds the first one, compiling nothing
+    assert first.stat().st_mtime_ns == built_at
     assert len(list(tmp_path.iterdir())) == 1
+
+
+def _compiler_only_for_version(run):
+    def guarded(command, *args, **kwargs):
+        if "--version" not in command:
+            raise AssertionError(f"compiled again: {command}")
+        return run(command, *args, **kwargs)
+
+    return guarded
 
 
 def test_auto_picks_the_cpu_kernels_on_cpu():
