@@ -445,10 +445,9 @@ class Scheduler(Actor):
         self.schedule()  # the next step, planned while this one runs
 
     def on_step_result(self, message: StepResult) -> None:
-        if message.epoch != self.epoch or not self.in_flight:
-            return  # stale: from before a reset
-        if message.step_id != self.in_flight[0][0]:
-            return
+        stale = message.epoch != self.epoch or not self.in_flight
+        if stale or message.step_id != self.in_flight[0][0]:
+            return  # from before a reset
         _, in_flight = self.in_flight.popleft()
         self.overlap_paused = False
         self.num_steps += 1
