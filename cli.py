@@ -51,6 +51,7 @@ ENGINE_FLAGS = [  # (flag, EngineConfig field, type)
     ("--drain-timeout-s", "drain_timeout_s", float),
     ("--enable-prefix-caching", "enable_prefix_caching", _flag),
     ("--async-scheduling", "async_scheduling", _flag),
+    ("--final-only-flush-s", "final_only_flush_s", float),
     ("--preemption-mode", "preemption_mode", str),
     ("--preemption-victim", "preemption_victim", str),
     ("--num-cpu-blocks", "num_cpu_blocks", int),

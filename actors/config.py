@@ -56,6 +56,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     preemption_mode: str = "recompute"  # or "swap": KV to a CPU block pool and back
     preemption_victim: str = "fewest_computed"  # or "last_admitted"
     async_scheduling: bool = True  # plan step N+1 while the Worker runs step N
+    final_only_flush_s: float = 1.0  # how often held final_only outputs go out while running
     num_cpu_blocks: int | None = None  # swap space; None: as many as GPU blocks in swap mode
     device: str = "auto"
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
@@ -81,6 +82,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, ">= 1"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, ">= 2"),
             ("heartbeat_interval_s", self.heartbeat_interval_s > 0, "> 0"),
+            ("final_only_flush_s", self.final_only_flush_s >= 0, ">= 0"),
             (
                 "preemption_mode",
                 self.preemption_mode in PREEMPTION_MODES,

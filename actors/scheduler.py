@@ -12,6 +12,11 @@ is spent by the BlockManager, which knows their prefix-cache hits) -> one Alloca
 (the BlockManager reuses cached prefixes, and preempts from the tail when blocks run out)
 -> StepPlan with only what changed -> StepResult -> stop checks -> TokensOut.
 
+Output: a request's new tokens go to the Engine in the TokensOut of the step that sampled them,
+but those of a final_only request without stop strings (SamplingParams.output_kind) wait in
+`unsent` until it finishes, and go out once every `final_only_flush_s` while it runs: a batch of
+whole completions then costs the Engine and its clients no message per step.
+
 Overlap (async_scheduling): while the Worker runs step N, step N+1 is planned and allocated, so
 the Worker goes from one step to the next without waiting for a round trip. Such a step assumes
 each request that samples in step N gets one token (the Worker already has it: the persistent
@@ -41,11 +46,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import sys
+import time
 from collections import deque
 
 from ..messages.blocks import AllocateStep, Allocation, BlockNeed, FreeBlocks
 from ..messages.codec import SchedulerInbox
-from ..messages.common import FinishReason, SamplingParams
+from ..messages.common import FinishReason
 from ..messages.control import Recover, Reset
 from ..messages.step import (
     AbortRequests,
@@ -58,85 +64,10 @@ from ..messages.step import (
     StepResult,
     TokensOut,
 )
+from .request_state import Request
 from .runtime import Actor, actor_main
 
 CANDIDATE_TOKENS_PER_BUDGET_TOKEN = 16
-
-
-class Request:
-    """The Scheduler's view of one request. `token_ids` = prompt + sampled tokens."""
-
-    __slots__ = (
-        "request_id",
-        "token_ids",
-        "num_prompt_tokens",
-        "params",
-        "num_computed",
-        "num_scheduled",
-        "samples_in_flight",
-        "stops",
-        "priority",
-        "arrival",
-        "told_block_manager",
-        "swapped",
-        "cached_tokens",
-        "prompt_logprobs",
-        "fork_of",
-    )
-
-    def __init__(self, message: AddRequest, eos_token_ids: list[int], arrival: int):
-        self.request_id = message.request_id
-        self.token_ids = list(message.prompt_token_ids) + list(message.output_token_ids)
-        self.num_prompt_tokens = len(message.prompt_token_ids)
-        self.params: SamplingParams = message.params
-        self.priority = message.priority
-        self.arrival = arrival
-        self.num_computed = 0  # tokens whose KV a finished step wrote
-        self.num_scheduled = 0  # num_computed + the tokens of steps in flight
-        self.samples_in_flight = 0  # steps in flight that sample a token for it (0, 1 or 2)
-        self.told_block_manager = 0  # tokens of token_ids the BlockManager has seen
-        self.swapped = False  # KV waits in CPU blocks; num_computed stays valid
-        self.cached_tokens: int | None = None  # set when first admitted
-        # sample i > 0 of an n > 1 request, waiting to share sample 0's prompt KV
-        self.fork_of = message.fork_of if not message.output_token_ids else None
-        # prompt logprobs gathered over prefill chunks, sent with the first output (None: not
-        # asked, or already sent). Entry 0 (the first prompt token) is always None.
-        wants = message.params.prompt_logprobs is not None and not message.output_token_ids
-        self.prompt_logprobs: list | None = [None] if wants else None
-        stops = set(message.params.stop_token_ids)
-        if not message.params.ignore_eos:
-            stops.update(eos_token_ids)
-        self.stops = frozenset(stops)
-
-    @property
-    def queue_key(self) -> tuple[int, int]:
-        return (self.priority, self.arrival)
-
-    @property
-    def num_output(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def num_unscheduled(self) -> int:
-        """Tokens to compute, counting one per sample in flight (the Worker already has it)."""
-        return len(self.token_ids) + self.samples_in_flight - self.num_scheduled
-
-    def _at_length_limit(self, length: int, max_model_len: int) -> bool:
-        """A request of `length` tokens has reached max_tokens or max_model_len."""
-        return length - self.num_prompt_tokens >= self.params.max_tokens or length >= max_model_len
-
-    def ends_in_flight(self, max_model_len: int) -> bool:
-        """The samples in flight take it to max_tokens or max_model_len."""
-        length = len(self.token_ids) + self.samples_in_flight
-        return self.samples_in_flight > 0 and self._at_length_limit(length, max_model_len)
-
-    def finish_reason(self, max_model_len: int) -> FinishReason | None:
-        """Checked after each sampled token: stop tokens (after min_tokens), then length limits."""
-        if self.num_output >= self.params.min_tokens and self.token_ids[-1] in self.stops:
-            return FinishReason.STOP
-        if self._at_length_limit(len(self.token_ids), max_model_len):
-            return FinishReason.LENGTH
-        return None
 
 
 class Scheduler(Actor):
@@ -158,6 +89,7 @@ class Scheduler(Actor):
         self.num_overlapped_steps = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.last_flush = time.monotonic()  # when held final_only outputs last went out
 
     def _clear(self) -> None:
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
@@ -204,8 +136,14 @@ class Scheduler(Actor):
         for request in aborted:
             self._finish(request)
         if aborted:
-            outputs = [RequestOutput(r.request_id, [], FinishReason.ABORT) for r in aborted]
-            self.send("engine", TokensOut(outputs))
+            self.send("engine", TokensOut(self._last_outputs(aborted, FinishReason.ABORT)))
+
+    @staticmethod
+    def _last_outputs(requests: list[Request], reason: FinishReason) -> list[RequestOutput]:
+        outputs = [request.take_output() for request in requests]
+        for output in outputs:
+            output.finish_reason = reason
+        return outputs
 
     def _finish(self, request: Request) -> None:
         """Forget a request; its blocks go back to the pool (FreeBlocks precedes any new step)."""
@@ -454,11 +392,12 @@ class Scheduler(Actor):
         if message.error is not None:
             self.report_error(f"step {message.step_id} failed in the worker: {message.error}")
             failed = [r for r, _ in in_flight if self.requests.get(r.request_id) is r]
-            outputs = [RequestOutput(r.request_id, [], FinishReason.ERROR) for r in failed]
+            outputs = self._last_outputs(failed, FinishReason.ERROR)
             for request in failed:
                 self._finish(request)
         else:
             outputs = self._apply(in_flight, message)
+        self._flush_held(outputs)
         self.schedule()
         if outputs:
             self.send("engine", TokensOut(outputs))
@@ -484,17 +423,30 @@ class Scheduler(Actor):
             request.samples_in_flight -= 1
             request.token_ids.append(token)
             self.generation_tokens += 1
-            reason = request.finish_reason(self.max_model_len)
-            cached = (request.cached_tokens or 0) if reason is not None else 0
-            output = RequestOutput(rid, [token], reason, cached)
+            output = request.take_output()
+            output.token_ids.append(token)
             if lp is not None:
-                output.logprobs = [lp]
+                output.logprobs.append(lp)
             if request.prompt_logprobs is not None:
                 output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
-            outputs.append(output)
+            reason = request.finish_reason(self.max_model_len)
+            if reason is None and request.holds_output:
+                request.unsent = output
+                continue
+            output.finish_reason = reason
             if reason is not None:
+                output.cached_tokens = request.cached_tokens or 0
                 self._finish(request)
+            outputs.append(output)
         return outputs
+
+    def _flush_held(self, outputs: list[RequestOutput]) -> None:
+        """Every final_only_flush_s, add what final_only requests hold, so clients hear of them."""
+        now = time.monotonic()
+        if now - self.last_flush < self.config.final_only_flush_s:
+            return
+        self.last_flush = now
+        outputs.extend(r.take_output() for r in self.requests.values() if r.unsent is not None)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from ..messages.client import (
     Pong,
 )
 from ..messages.codec import Decoder, encode
-from ..messages.common import SamplingParams
+from ..messages.common import OutputKind, SamplingParams
 
 
 class EngineError(Exception):
@@ -70,6 +70,12 @@ def join(deltas: list[Delta]) -> Delta:
         logprobs if any(d.logprobs is not None for d in deltas) else None,
         next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
     )
+
+
+def final_only(params: SamplingParams | None) -> SamplingParams:
+    """The params of a whole completion: its output held in the engine until it finishes (see
+    SamplingParams.output_kind), not sent after every step."""
+    return msgspec.structs.replace(params or SamplingParams(), output_kind=OutputKind.FINAL_ONLY)
 
 
 def join_samples(deltas: list[Delta]) -> list[Delta]:
@@ -275,7 +281,7 @@ class AsyncClient:
         self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0
     ) -> list[Delta]:
         """Every sample of the request (`params.n` of them) as one joined Delta, by index."""
-        rid, message, stream = self._open(prompt, params, None, priority, collect=True)
+        rid, message, stream = self._open(prompt, final_only(params), None, priority, True)
         finished = False
         try:
             await self._socket.send(encode(message))

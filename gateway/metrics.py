@@ -127,14 +127,14 @@ class Metrics:
         label = ["model_name"]
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
-            "Time from request arrival to its first token.",
+            "Time from request arrival to its first token (streamed requests).",
             label,
             buckets=TTFT_BUCKETS,
             registry=self.registry,
         ).labels(model)
         self.tpot = Histogram(
             PREFIX + "time_per_output_token_seconds",
-            "Mean time between output tokens after the first, per request.",
+            "Mean time between output tokens after the first, per streamed request.",
             label,
             buckets=TPOT_BUCKETS,
             registry=self.registry,

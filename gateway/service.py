@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from ..messages.client import Delta, HealthReply
-from ..messages.common import SamplingParams
+from ..messages.common import OutputKind, SamplingParams
 from .client import AsyncClient, EngineError
 from .metrics import Metrics
 from .openai_logprobs import TokenNames
@@ -138,10 +138,11 @@ class Gateway:
         first: float | None = None
         last: Delta | None = None
         longest = 0
+        streamed = params.output_kind is OutputKind.DELTA  # else no first-token time to see
         stream = self.client.generate(prompt, params, request_id, priority)
         try:
             async for delta in stream:
-                if first is None and delta.token_ids:
+                if first is None and streamed and delta.token_ids:
                     first = time.perf_counter()
                 last = delta
                 if delta.finished:

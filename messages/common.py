@@ -20,6 +20,13 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine could not serve it
 
 
+class OutputKind(str, enum.Enum):
+    """How a request's output reaches its client (vLLM's RequestOutputKind)."""
+
+    DELTA = "delta"  # a delta after every step that samples for it
+    FINAL_ONLY = "final_only"  # held until it finishes (see SamplingParams.output_kind)
+
+
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """One token's log-probability under the raw model distribution (log_softmax of the logits
     before any penalty, bias, temperature or filter), its rank (1 + the number of tokens with a
@@ -45,6 +52,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     `logprobs` k: each sampled token's logprob and rank, with the top k alternatives;
     `prompt_logprobs` k: the same for every prompt token but the first (such a request computes
     its whole prompt: no prefix-cache hits).
+    `output_kind` final_only (whole completions: the offline API, non-streamed OpenAI requests):
+    the Scheduler holds the tokens and sends them when the request finishes, and once every
+    EngineConfig.final_only_flush_s while it runs, so the client hears of it; a request with
+    `stop` strings still goes token by token to the Engine, which checks them, and is delivered
+    the same way.
     """
 
     n: int = 1
@@ -65,6 +77,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     logit_bias: dict[int, float] = {}
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    output_kind: OutputKind = OutputKind.DELTA
 
     def validate(self, vocab_size: int) -> str | None:
         """None when the params are acceptable, else a message naming the field and its limit."""

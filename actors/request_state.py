@@ -1,0 +1,93 @@
+"""The Scheduler's view of one request: its tokens, how far they are computed and scheduled, when
+it ends, and (final_only) the output it holds back from the Engine."""
+
+from __future__ import annotations
+
+from ..messages.common import FinishReason, OutputKind, SamplingParams
+from ..messages.step import AddRequest, RequestOutput
+
+
+class Request:
+    """The Scheduler's view of one request. `token_ids` = prompt + sampled tokens."""
+
+    __slots__ = (
+        "request_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "params",
+        "num_computed",
+        "num_scheduled",
+        "samples_in_flight",
+        "stops",
+        "priority",
+        "arrival",
+        "told_block_manager",
+        "swapped",
+        "cached_tokens",
+        "prompt_logprobs",
+        "fork_of",
+        "holds_output",
+        "unsent",
+    )
+
+    def __init__(self, message: AddRequest, eos_token_ids: list[int], arrival: int):
+        self.request_id = message.request_id
+        self.token_ids = list(message.prompt_token_ids) + list(message.output_token_ids)
+        self.num_prompt_tokens = len(message.prompt_token_ids)
+        self.params: SamplingParams = message.params
+        self.priority = message.priority
+        self.arrival = arrival
+        self.num_computed = 0  # tokens whose KV a finished step wrote
+        self.num_scheduled = 0  # num_computed + the tokens of steps in flight
+        self.samples_in_flight = 0  # steps in flight that sample a token for it (0, 1 or 2)
+        self.told_block_manager = 0  # tokens of token_ids the BlockManager has seen
+        self.swapped = False  # KV waits in CPU blocks; num_computed stays valid
+        self.cached_tokens: int | None = None  # set when first admitted
+        # sample i > 0 of an n > 1 request, waiting to share sample 0's prompt KV
+        self.fork_of = message.fork_of if not message.output_token_ids else None
+        # prompt logprobs gathered over prefill chunks, sent with the first output (None: not
+        # asked, or already sent). Entry 0 (the first prompt token) is always None.
+        wants = message.params.prompt_logprobs is not None and not message.output_token_ids
+        self.prompt_logprobs: list | None = [None] if wants else None
+        stops = set(message.params.stop_token_ids)
+        if not message.params.ignore_eos:
+            stops.update(eos_token_ids)
+        self.stops = frozenset(stops)
+        final_only = message.params.output_kind is OutputKind.FINAL_ONLY
+        self.holds_output = final_only and not message.params.stop  # the Engine checks stop
+        self.unsent: RequestOutput | None = None  # output not sent to the Engine yet
+
+    @property
+    def queue_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_unscheduled(self) -> int:
+        """Tokens to compute, counting one per sample in flight (the Worker already has it)."""
+        return len(self.token_ids) + self.samples_in_flight - self.num_scheduled
+
+    def _at_length_limit(self, length: int, max_model_len: int) -> bool:
+        """A request of `length` tokens has reached max_tokens or max_model_len."""
+        return length - self.num_prompt_tokens >= self.params.max_tokens or length >= max_model_len
+
+    def ends_in_flight(self, max_model_len: int) -> bool:
+        """The samples in flight take it to max_tokens or max_model_len."""
+        length = len(self.token_ids) + self.samples_in_flight
+        return self.samples_in_flight > 0 and self._at_length_limit(length, max_model_len)
+
+    def take_output(self) -> RequestOutput:
+        """Its output not yet sent (a final_only request's held tokens), else an empty one."""
+        output, self.unsent = self.unsent, None
+        return output if output is not None else RequestOutput(self.request_id, [])
+
+    def finish_reason(self, max_model_len: int) -> FinishReason | None:
+        """Checked after each sampled token: stop tokens (after min_tokens), then length limits."""
+        if self.num_output >= self.params.min_tokens and self.token_ids[-1] in self.stops:
+            return FinishReason.STOP
+        if self._at_length_limit(len(self.token_ids), max_model_len):
+            return FinishReason.LENGTH
+        return None
