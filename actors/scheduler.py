@@ -66,6 +66,7 @@ from ..messages.step import (
 )
 from .request_state import Request
 from .runtime import Actor, actor_main
+from .step_trace import EventTrace
 
 CANDIDATE_TOKENS_PER_BUDGET_TOKEN = 16
 
@@ -90,6 +91,7 @@ class Scheduler(Actor):
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.last_flush = time.monotonic()  # when held final_only outputs last went out
+        self.trace = EventTrace(".scheduler")  # ACTORSERVE_STEP_TRACE (scripts/bench_overhead)
 
     def _clear(self) -> None:
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
@@ -250,6 +252,7 @@ class Scheduler(Actor):
         self.step_id += 1
         self.pending = pending
         self.pending_overlapped = overlapped
+        self.trace.mark(self.step_id, "allocate_out")
         self.send(
             "block_manager",
             AllocateStep(self.epoch, self.step_id, needs, budget, overlapped=overlapped),
@@ -310,6 +313,7 @@ class Scheduler(Actor):
             self._preempt(worst, swapped=False)
 
     def on_allocation(self, message: Allocation) -> None:
+        self.trace.mark(message.step_id, "allocation_in")
         if message.epoch != self.epoch or message.step_id != self.step_id or self.pending is None:
             return  # stale: from before a reset
         pending, self.pending = self.pending, None
@@ -379,10 +383,12 @@ class Scheduler(Actor):
             return
         self.in_flight.append((self.step_id, in_flight))
         self.num_overlapped_steps += self.pending_overlapped
+        self.trace.mark(self.step_id, "plan_out")
         self.send("worker", plan)
         self.schedule()  # the next step, planned while this one runs
 
     def on_step_result(self, message: StepResult) -> None:
+        self.trace.mark(message.step_id, "result_in")
         stale = message.epoch != self.epoch or not self.in_flight
         if stale or message.step_id != self.in_flight[0][0]:
             return  # from before a reset

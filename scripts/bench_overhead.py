@@ -10,6 +10,11 @@
    StepPlan to the persistent batch, flat inputs), sampling and bookkeeping, and the time outside
    the Worker's step (StepResult out, the Scheduler's stop checks and TokensOut, the next plan,
    the BlockManager round trip, StepPlan in: scheduling, block allocation, messages).
+   Then the same run again without async scheduling, where the Worker waits for every hop of
+   the control loop between two steps, split hop by hop from the Worker's and the Scheduler's
+   traces: StepResult message, the Scheduler's stop checks and next needs, the BlockManager
+   round trip, the StepPlan, the StepPlan message (with async scheduling these overlap the
+   forward and cost CPU on the same cores instead of waiting).
 2. Message round trip over ipc://, two processes on uvloop with the actors' LoopSocket: a
    StepPlan of N requests encoded, sent, decoded by the other side, answered with the StepResult
    of N tokens, decoded. The delta plan (N RunningUpdates, the steady state) and a full one
@@ -37,10 +42,17 @@ import bench_common as bc  # noqa: E402
 # -- 1. step breakdown ------------------------------------------------------------------------
 
 
-def trace_steps(model_dir: Path, args) -> tuple[list[dict], list[dict]]:
+def read_jsonl(path: Path) -> list[dict]:
     import json
 
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def trace_steps(model_dir: Path, args, async_scheduling: bool = True):
+    """One offline run with the actors tracing their steps -> (the Worker's step records, the
+    Scheduler's step events, CPU rows by process)."""
     from actorserve import LLM, SamplingParams
+    from actorserve.actors.step_trace import ENV
 
     vocab = bc.ModelShape.read(model_dir).vocab
     workload = bc.make_workload(
@@ -48,10 +60,14 @@ def trace_steps(model_dir: Path, args) -> tuple[list[dict], list[dict]]:
     )
     with tempfile.TemporaryDirectory(prefix="actorserve-bench-") as tmp:
         trace = Path(tmp) / "steps.jsonl"
-        previous = os.environ.get("ACTORSERVE_STEP_TRACE")
-        os.environ["ACTORSERVE_STEP_TRACE"] = str(trace)
+        previous = os.environ.get(ENV)
+        os.environ[ENV] = str(trace)
         try:
-            settings = dict(torch_threads=args.threads, max_num_seqs=args.num_requests)
+            settings = dict(
+                torch_threads=args.threads,
+                max_num_seqs=args.num_requests,
+                async_scheduling=async_scheduling,
+            )
             with LLM(str(model_dir), **settings) as llm:
                 params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
                 before, start = bc.process_cpu_seconds(), time.perf_counter()
@@ -59,10 +75,11 @@ def trace_steps(model_dir: Path, args) -> tuple[list[dict], list[dict]]:
                 after, wall = bc.process_cpu_seconds(), time.perf_counter() - start
         finally:
             if previous is None:
-                os.environ.pop("ACTORSERVE_STEP_TRACE", None)
+                os.environ.pop(ENV, None)
             else:
-                os.environ["ACTORSERVE_STEP_TRACE"] = previous
-        steps = [json.loads(line) for line in trace.read_text().splitlines() if line]
+                os.environ[ENV] = previous
+        steps = read_jsonl(trace)
+        events = read_jsonl(trace.with_name(trace.name + ".scheduler"))
     cpu = [
         {
             "table": "cpu",
@@ -73,17 +90,24 @@ def trace_steps(model_dir: Path, args) -> tuple[list[dict], list[dict]]:
         }
         for name in sorted(after, key=lambda n: -(after[n] - before.get(n, 0.0)))
     ]
-    return steps, cpu
+    return steps, events, cpu
+
+
+def full_decode_steps(steps: list[dict], batch: int) -> list[tuple[dict, dict]]:
+    """(step, the step after it) for each step that decodes `batch` requests and nothing else."""
+    pairs = [
+        (step, following)
+        for step, following in zip(steps, steps[1:])
+        if step["seqs"] == batch and step["tokens"] == batch and following["step"] > step["step"]
+    ]
+    if not pairs:
+        raise SystemExit(f"no decode step ran {batch} requests; raise --output-len")
+    return pairs
 
 
 def step_breakdown(steps: list[dict], batch: int) -> list[dict]:
     """Rows of phase -> mean and p50 ms per step, share of the step, over full decode steps."""
-    periods = []
-    for step, following in zip(steps, steps[1:]):
-        if step["seqs"] == batch and step["tokens"] == batch and following["step"] > step["step"]:
-            periods.append((step, following["start"] - step["start"]))
-    if not periods:
-        raise SystemExit(f"no decode step ran {batch} requests; raise --output-len")
+    periods = [(s, n["start"] - s["start"]) for s, n in full_decode_steps(steps, batch)]
     phases = {
         "decoder forward": lambda s, p: s["forwarded"] - s["prepared"],
         "lm_head (sampling rows only)": lambda s, p: s["logits"] - s["forwarded"],
@@ -131,6 +155,55 @@ def step_breakdown(steps: list[dict], batch: int) -> list[dict]:
         }
     )
     return rows
+
+
+def control_loop_breakdown(steps: list[dict], events: list[dict], batch: int) -> list[dict]:
+    """Rows of hop -> p50 and mean us from one full decode step's end to the next one's start,
+    from the Worker's and the Scheduler's traces of a run without async scheduling (there each
+    hop waits for the one before, and none overlaps the forward)."""
+    at = {(e["step"], e["event"]): e["t"] for e in events}
+
+    def t(step: dict, event: str) -> float:
+        return at[(step["step"], event)]
+
+    hops = {
+        "StepResult message (Worker -> Scheduler)": lambda s, n: t(s, "result_in") - s["end"],
+        "Scheduler: stop checks, outputs, the next step's needs": lambda s, n: (
+            t(n, "allocate_out") - t(s, "result_in")
+        ),
+        "BlockManager round trip (AllocateStep -> Allocation)": lambda s, n: (
+            t(n, "allocation_in") - t(n, "allocate_out")
+        ),
+        "Scheduler: the StepPlan": lambda s, n: t(n, "plan_out") - t(n, "allocation_in"),
+        "StepPlan message (Scheduler -> the Worker's forward)": lambda s, n: (
+            n["start"] - t(n, "plan_out")
+        ),
+        "the Worker waits between two steps (all of the above)": lambda s, n: n["start"] - s["end"],
+        "step period": lambda s, n: n["start"] - s["start"],
+    }
+    pairs = [
+        (s, n)
+        for s, n in full_decode_steps(steps, batch)
+        if all(k in at for k in [(s["step"], "result_in")] + [(n["step"], e) for e in EVENTS])
+    ]
+    if not pairs:
+        raise SystemExit("the Scheduler's trace has no full decode step")
+    rows = []
+    for name, f in hops.items():
+        values = [f(s, n) for s, n in pairs]
+        rows.append(
+            {
+                "table": "control",
+                "hop": name,
+                "p50_us": bc.percentile(values, 50) * 1e6,
+                "mean_us": statistics.fmean(values) * 1e6,
+                "steps": len(pairs),
+            }
+        )
+    return rows
+
+
+EVENTS = ("allocate_out", "allocation_in", "plan_out")
 
 
 # -- 2. message round trip --------------------------------------------------------------------
@@ -325,6 +398,11 @@ STEP_COLUMNS = [
     bc.Column("p50_ms", "p50 ms", "{:.2f}"),
     bc.Column("share", "share of step", "{:.1%}"),
 ]
+CONTROL_COLUMNS = [
+    bc.Column("hop", "hop"),
+    bc.Column("p50_us", "p50 us", "{:.0f}"),
+    bc.Column("mean_us", "mean us", "{:.0f}"),
+]
 CPU_COLUMNS = [
     bc.Column("process", "process"),
     bc.Column("cpu_s", "CPU s", "{:.2f}"),
@@ -354,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ipc-iterations", type=int, default=2000)
     parser.add_argument("--skip-steps", action="store_true", help="only the ipc round trip")
     parser.add_argument("--skip-ipc", action="store_true", help="only the step breakdown")
+    parser.add_argument(
+        "--skip-control-loop", action="store_true", help="no second run without async scheduling"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     bc.add_common_flags(parser)
     args = parser.parse_args(argv)
@@ -363,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     if not args.skip_steps:
         model_dir = bc.resolve_model(args.model)
-        steps, cpu_rows = trace_steps(model_dir, args)
+        steps, _, cpu_rows = trace_steps(model_dir, args)
         step_rows = step_breakdown(steps, args.num_requests)
         for row in step_rows:
             row["model_name"] = bc.model_label(args.model)
@@ -383,6 +464,18 @@ def main(argv: list[str] | None = None) -> int:
                 CPU_COLUMNS,
                 title=f"CPU time by process over the whole run ({cpu_rows[0]['wall_s']:.1f} s "
                 f"wall; driver = this script: the offline API's client and the supervisor):",
+            )
+        )
+    if not args.skip_steps and not args.skip_control_loop:
+        steps, events, _ = trace_steps(model_dir, args, async_scheduling=False)
+        control_rows = control_loop_breakdown(steps, events, args.num_requests)
+        rows += control_rows
+        out.append(
+            bc.format_table(
+                control_rows,
+                CONTROL_COLUMNS,
+                title=f"Between two steps, hop by hop: the same run without async scheduling, "
+                f"so the Worker waits for each hop ({control_rows[0]['steps']} steps):",
             )
         )
     if not args.skip_ipc:

@@ -43,3 +43,22 @@ def test_bench_overhead_measures_the_ipc_round_trips_against_the_os_floor(tmp_pa
     modes = {r["mode"] for r in rows}
     assert modes == {"asyncio", "blocking", "socketpair"}
     assert all(r["p50_us"] > 0 and r["iterations"] == 50 for r in rows)
+
+
+def test_bench_overhead_splits_the_step_and_the_wait_between_steps_hop_by_hop(llama_dir, tmp_path):
+    rows = run_script(
+        "bench_overhead.py", "--model", str(llama_dir), "--skip-ipc", "--num-requests", "4",
+        "--output-len", "24", "--max-prompt-len", "40", "--quiet", json_path=tmp_path / "o.json",
+    )  # fmt: skip
+    step = {r["phase"]: r for r in rows if r["table"] == "step"}
+    assert step["decoder forward"]["mean_ms"] > 0
+    assert step["lm_head (sampling rows only)"]["mean_ms"] > 0
+    assert 0 < step["non-model (all but the two model rows)"]["share"] < 1
+    assert {r["process"] for r in rows if r["table"] == "cpu"} >= {"worker", "scheduler", "engine"}
+    hops = {r["hop"]: r for r in rows if r["table"] == "control"}
+    wait = hops.pop("the Worker waits between two steps (all of the above)")
+    period = hops.pop("step period")
+    assert len(hops) == 5
+    # each hop is timed in the order the messages go (a mark out of order makes one negative)
+    assert all(hop["p50_us"] > 0 and hop["mean_us"] > 0 for hop in hops.values())
+    assert 0 < wait["mean_us"] < period["mean_us"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ import torch
 
 from ...messages.step import NewRequest, StepPlan, StepResult
 from ..config import EngineConfig
+from ..step_trace import open_trace
 from .kv_cache import KVCache
 from .logprobs import PromptLogprobsTracker, start_sample_logprobs
 from .models.llama import AttentionMetadata
@@ -76,11 +76,7 @@ class ModelRunner:
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None  # step inputs, KV swaps
         self.compute_stream = torch.cuda.Stream(device) if cuda else None
-        # ACTORSERVE_STEP_TRACE=PATH: one JSON line per step with its phases' clock times
-        # (time.perf_counter, which is CLOCK_MONOTONIC and so comparable across processes on
-        # Linux); scripts/bench_overhead.py reads it. Off by default: no cost.
-        trace = os.environ.get("ACTORSERVE_STEP_TRACE")
-        self.trace = open(trace, "a", buffering=1) if trace else None
+        self.trace = open_trace()  # one JSON line per step with its phases' clock times
 
     def apply(self, plan: StepPlan) -> list[tuple[str, int]]:
         """Update the persistent batch; return the step's (request id, tokens to compute)."""
