@@ -211,7 +211,21 @@ class BlockPool:
             else:
                 gone.add(rid)
                 self._preempt(rid, out)
+        self._look_ahead(needs, out)
         return out
+
+    def _look_ahead(self, needs: list[BlockNeed], out: Allocation) -> None:
+        """After every need is met: room for `lookahead` more tokens for the running requests
+        granted, in priority order, from free blocks above the watermark only."""
+        room = {n.request_id: n.lookahead for n in needs if not n.is_new and n.lookahead > 0}
+        for grant in out.granted:
+            if grant.request_id not in room:
+                continue
+            target = grant.num_computed + grant.num_new_tokens + room[grant.request_id]
+            want = self.blocks_needed(grant.request_id, target)
+            if want > len(self._free) - self.watermark_blocks:
+                return
+            grant.block_ids.extend(self.allocate(grant.request_id, want))
 
     def _preempt(self, request_id: str, out: Allocation) -> None:
         pairs = self.swap_out(request_id) if self.swap else None
@@ -228,7 +242,8 @@ class BlockPool:
         rid, tokens = need.request_id, list(need.token_ids)
         if rid in self.swapped:
             computed, count = need.num_computed, min(need.num_new_tokens, budget)
-            extra = -(-(computed + count) // self.block_size) - len(self.swapped[rid])
+            # it may hold more blocks than its tokens need (lookahead room swapped out with it)
+            extra = max(0, -(-(computed + count) // self.block_size) - len(self.swapped[rid]))
             if not self._admits(len(self.swapped[rid]) + extra):
                 return None
             out.swap_in.extend(self.swap_in(rid))

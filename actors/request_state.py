@@ -28,6 +28,7 @@ class Request:
         "fork_of",
         "holds_output",
         "unsent",
+        "capacity",
     )
 
     def __init__(self, message: AddRequest, eos_token_ids: list[int], arrival: int):
@@ -41,6 +42,7 @@ class Request:
         self.num_scheduled = 0  # num_computed + the tokens of steps in flight
         self.samples_in_flight = 0  # steps in flight that sample a token for it (0, 1 or 2)
         self.told_block_manager = 0  # tokens of token_ids the BlockManager has seen
+        self.capacity = 0  # tokens its KV blocks hold (granted so far; 0 when it holds none)
         self.swapped = False  # KV waits in CPU blocks; num_computed stays valid
         self.cached_tokens: int | None = None  # set when first admitted
         # sample i > 0 of an n > 1 request, waiting to share sample 0's prompt KV

@@ -11,6 +11,10 @@ A step: pick requests under `max_num_seqs` and `max_num_batched_tokens` (the new
 is spent by the BlockManager, which knows their prefix-cache hits) -> one AllocateStep round trip
 (the BlockManager reuses cached prefixes, and preempts from the tail when blocks run out)
 -> StepPlan with only what changed -> StepResult -> stop checks -> TokensOut.
+Running requests also ask for a block of room beyond the step (BlockNeed.lookahead, granted from
+spare blocks only), and the Scheduler counts the room each one holds (`Request.capacity`): a step
+that admits nobody and whose tokens all fit skips the round trip, so steady decoding asks the
+BlockManager about once every block_size steps instead of every step.
 
 Output: a request's new tokens go to the Engine in the TokensOut of the step that sampled them,
 but those of a final_only request without stop strings (SamplingParams.output_kind) wait in
@@ -88,6 +92,7 @@ class Scheduler(Actor):
         self.num_steps = 0
         self.num_partial_prefills = 0
         self.num_overlapped_steps = 0
+        self.num_block_round_trips = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.last_flush = time.monotonic()  # when held final_only outputs last went out
@@ -172,6 +177,7 @@ class Scheduler(Actor):
             self.num_recomputed_tokens += request.num_computed
             request.num_computed = 0
         request.num_scheduled = request.num_computed  # nothing is in flight when preempting
+        request.capacity = 0  # its blocks are freed or swapped out
         self._forget_in_worker(request.request_id)
         self._enqueue(request)
         self.num_preemptions += 1
@@ -187,6 +193,7 @@ class Scheduler(Actor):
         stats.num_steps = self.num_steps
         stats.num_partial_prefills = self.num_partial_prefills
         stats.num_overlapped_steps = self.num_overlapped_steps
+        stats.num_block_round_trips = self.num_block_round_trips
         stats.prompt_tokens = self.prompt_tokens
         stats.generation_tokens = self.generation_tokens
         self.send("block_manager", message)
@@ -218,15 +225,41 @@ class Scheduler(Actor):
             if count > 0:
                 counts[request.request_id] = count
                 budget -= count
-        pending = {rid: self.running[rid] for rid in counts}
+        running = {rid: self.running[rid] for rid in counts}
+        admissions = self._offer_waiting(overlapped, budget)
+        if (
+            running
+            and not admissions
+            and all(r.num_scheduled + counts[rid] <= r.capacity for rid, r in running.items())
+        ):
+            self._plan_in_held_blocks(running, counts, overlapped)
+            return
+        pending = dict(running)
         self.pending_told = {rid: r.told_block_manager for rid, r in pending.items()}
         needs = [
             self._need(r, counts[r.request_id], False)
             for r in sorted(pending.values(), key=self._victim_last)
         ]
-        # Waiting candidates: the BlockManager spends the budget on what is left after prefix
-        # cache hits, so offer more prompt tokens than the budget (bounded, to keep the
-        # message small while a long queue waits).
+        for need, request in admissions:
+            needs.append(need)
+            pending[request.request_id] = request
+        if not needs:
+            return
+        self.step_id += 1
+        self.num_block_round_trips += 1
+        self.pending = pending
+        self.pending_overlapped = overlapped
+        self.trace.mark(self.step_id, "allocate_out")
+        self.send(
+            "block_manager",
+            AllocateStep(self.epoch, self.step_id, needs, budget, overlapped=overlapped),
+        )
+
+    def _offer_waiting(self, overlapped: bool, budget: int) -> list[tuple[BlockNeed, Request]]:
+        """Waiting requests to offer the BlockManager, in queue order, with their needs. It
+        spends the budget on what is left after prefix-cache hits, so more prompt tokens than
+        the budget are offered (bounded, to keep the message small while a long queue waits)."""
+        offers = []
         seats = self.config.max_num_seqs - len(self.running)
         offered, cap = 0, CANDIDATE_TOKENS_PER_BUDGET_TOKEN * self.config.max_num_batched_tokens
         for request in self.waiting:
@@ -238,25 +271,41 @@ class Scheduler(Actor):
                 need = self._fork_need(request)
                 if need is None:
                     continue  # its sample 0 has not computed the prompt yet
-                needs.append(need)
-                pending[request.request_id] = request
-                seats -= 1
-                continue
-            count = len(request.token_ids) - request.num_computed
-            needs.append(self._need(request, count, True))
-            pending[request.request_id] = request
-            offered += count
+            else:
+                count = len(request.token_ids) - request.num_computed
+                need = self._need(request, count, True)
+                offered += count
+            offers.append((need, request))
             seats -= 1
-        if not needs:
-            return
+        return offers
+
+    def _plan_in_held_blocks(
+        self, running: dict[str, Request], counts: dict[str, int], overlapped: bool
+    ) -> None:
+        """A step of running requests only, each within the blocks it holds: no AllocateStep."""
         self.step_id += 1
-        self.pending = pending
-        self.pending_overlapped = overlapped
-        self.trace.mark(self.step_id, "allocate_out")
-        self.send(
-            "block_manager",
-            AllocateStep(self.epoch, self.step_id, needs, budget, overlapped=overlapped),
-        )
+        plan = StepPlan(self.epoch, self.step_id, self.removed, [], [])
+        self.removed = []
+        in_flight = []
+        for rid, request in running.items():
+            count = counts[rid]
+            self._schedule_tokens(request, request.num_scheduled, count)
+            in_flight.append((request, count))
+            plan.running.append(RunningUpdate(rid, [], count))
+        self._launch(plan, in_flight, overlapped)
+
+    def _schedule_tokens(self, request: Request, num_computed: int, count: int) -> None:
+        """A step computes tokens [num_computed, num_computed + count) of the request."""
+        request.num_scheduled = num_computed + count
+        if request.num_scheduled == len(request.token_ids) + request.samples_in_flight:
+            request.samples_in_flight += 1
+
+    def _launch(self, plan: StepPlan, in_flight: list[tuple[Request, int]], overlapped: bool):
+        self.in_flight.append((self.step_id, in_flight))
+        self.num_overlapped_steps += overlapped
+        self.trace.mark(self.step_id, "plan_out")
+        self.send("worker", plan)
+        self.schedule()  # the next step, planned while this one runs
 
     def _victim_last(self, request: Request):
         """Sort key of running requests: the last ones are preempted first."""
@@ -274,6 +323,7 @@ class Scheduler(Actor):
             is_new,
             request.token_ids[told:],
             is_new and request.prompt_logprobs is not None,  # computes its whole prompt
+            lookahead=0 if is_new else self.config.block_size,
         )
 
     def _fork_need(self, request: Request) -> BlockNeed | None:
@@ -343,10 +393,10 @@ class Scheduler(Actor):
             if grant.request_id not in self.requests:
                 continue  # aborted meanwhile; its FreeBlocks followed the AllocateStep
             in_flight.append((request, grant.num_new_tokens))
-            request.num_scheduled = grant.num_computed + grant.num_new_tokens
-            if request.num_scheduled == len(request.token_ids) + request.samples_in_flight:
-                request.samples_in_flight += 1
-            if grant.request_id in self.worker_knows:
+            self._schedule_tokens(request, grant.num_computed, grant.num_new_tokens)
+            room = len(grant.block_ids) * self.config.block_size
+            if grant.request_id in self.worker_knows:  # block_ids: its new blocks
+                request.capacity += room
                 plan.running.append(
                     RunningUpdate(grant.request_id, grant.block_ids, grant.num_new_tokens)
                 )
@@ -360,6 +410,7 @@ class Scheduler(Actor):
                 request.swapped = False
                 request.num_computed = grant.num_computed
             self.worker_knows.add(request.request_id)
+            request.capacity = room  # block_ids: its whole table
             plan.new.append(
                 NewRequest(
                     request_id=request.request_id,
@@ -381,11 +432,7 @@ class Scheduler(Actor):
             elif message.preempted or message.swapped:  # the pool changed: try again
                 self.schedule()
             return
-        self.in_flight.append((self.step_id, in_flight))
-        self.num_overlapped_steps += self.pending_overlapped
-        self.trace.mark(self.step_id, "plan_out")
-        self.send("worker", plan)
-        self.schedule()  # the next step, planned while this one runs
+        self._launch(plan, in_flight, self.pending_overlapped)
 
     def on_step_result(self, message: StepResult) -> None:
         self.trace.mark(message.step_id, "result_in")

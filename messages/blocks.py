@@ -14,6 +14,8 @@ class BlockNeed(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     raise it (prefix cache hit) and shrink `num_new_tokens` to what is left of the prompt.
     `no_prefix_hits`: a new request that must compute its whole prompt (it wants prompt logprobs,
     which cached tokens would lack); its full blocks are still registered for others.
+    `lookahead` (a running request): room for this many tokens more if blocks are to spare, so
+    that the next steps need no round trip; never preempts anyone, nor takes the watermark.
     """
 
     request_id: str
@@ -23,6 +25,7 @@ class BlockNeed(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     token_ids: list[int]
     no_prefix_hits: bool = False
     fork_of: str | None = None  # share this running request's blocks (copy-on-write)
+    lookahead: int = 0
 
 
 class AllocateStep(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -83,6 +83,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     num_steps: int = 0
     num_partial_prefills: int = 0  # steps that computed part of a prompt, not all of it
     num_overlapped_steps: int = 0  # steps planned while the step before them still ran
+    num_block_round_trips: int = 0  # steps that asked the BlockManager (others fit held blocks)
     num_swaps: int = 0  # preemptions that moved KV to CPU instead of dropping it
     num_recomputed_tokens: int = 0  # computed KV that recompute preemptions threw away
     num_forks: int = 0  # samples i > 0 of n > 1 requests that shared sample 0's prompt blocks

@@ -12,9 +12,9 @@
    the BlockManager round trip, StepPlan in: scheduling, block allocation, messages).
    Then the same run again without async scheduling, where the Worker waits for every hop of
    the control loop between two steps, split hop by hop from the Worker's and the Scheduler's
-   traces: StepResult message, the Scheduler's stop checks and next needs, the BlockManager
-   round trip, the StepPlan, the StepPlan message (with async scheduling these overlap the
-   forward and cost CPU on the same cores instead of waiting).
+   traces: StepResult message, the Scheduler (stop checks, outputs, the next StepPlan), the
+   BlockManager round trip (only steps that need blocks have one), the StepPlan message (with
+   async scheduling these overlap the forward and cost CPU on the same cores instead of waiting).
 2. Message round trip over ipc://, two processes on uvloop with the actors' LoopSocket: a
    StepPlan of N requests encoded, sent, decoded by the other side, answered with the StepResult
    of N tokens, decoded. The delta plan (N RunningUpdates, the steady state) and a full one
@@ -160,21 +160,23 @@ def step_breakdown(steps: list[dict], batch: int) -> list[dict]:
 def control_loop_breakdown(steps: list[dict], events: list[dict], batch: int) -> list[dict]:
     """Rows of hop -> p50 and mean us from one full decode step's end to the next one's start,
     from the Worker's and the Scheduler's traces of a run without async scheduling (there each
-    hop waits for the one before, and none overlaps the forward)."""
+    hop waits for the one before, and none overlaps the forward). A step planned within the
+    blocks its requests hold has no BlockManager round trip (0 us in that row)."""
     at = {(e["step"], e["event"]): e["t"] for e in events}
 
     def t(step: dict, event: str) -> float:
         return at[(step["step"], event)]
 
+    def block_manager(n: dict) -> float:
+        asked = (n["step"], "allocate_out") in at
+        return t(n, "allocation_in") - t(n, "allocate_out") if asked else 0.0
+
     hops = {
         "StepResult message (Worker -> Scheduler)": lambda s, n: t(s, "result_in") - s["end"],
-        "Scheduler: stop checks, outputs, the next step's needs": lambda s, n: (
-            t(n, "allocate_out") - t(s, "result_in")
+        "Scheduler: stop checks, outputs, the next StepPlan": lambda s, n: (
+            t(n, "plan_out") - t(s, "result_in") - block_manager(n)
         ),
-        "BlockManager round trip (AllocateStep -> Allocation)": lambda s, n: (
-            t(n, "allocation_in") - t(n, "allocate_out")
-        ),
-        "Scheduler: the StepPlan": lambda s, n: t(n, "plan_out") - t(n, "allocation_in"),
+        "BlockManager round trip (AllocateStep -> Allocation)": lambda s, n: block_manager(n),
         "StepPlan message (Scheduler -> the Worker's forward)": lambda s, n: (
             n["start"] - t(n, "plan_out")
         ),
@@ -184,10 +186,11 @@ def control_loop_breakdown(steps: list[dict], events: list[dict], batch: int) ->
     pairs = [
         (s, n)
         for s, n in full_decode_steps(steps, batch)
-        if all(k in at for k in [(s["step"], "result_in")] + [(n["step"], e) for e in EVENTS])
+        if (s["step"], "result_in") in at and (n["step"], "plan_out") in at
     ]
     if not pairs:
         raise SystemExit("the Scheduler's trace has no full decode step")
+    asked = sum((n["step"], "allocate_out") in at for _, n in pairs)
     rows = []
     for name, f in hops.items():
         values = [f(s, n) for s, n in pairs]
@@ -198,12 +201,10 @@ def control_loop_breakdown(steps: list[dict], events: list[dict], batch: int) ->
                 "p50_us": bc.percentile(values, 50) * 1e6,
                 "mean_us": statistics.fmean(values) * 1e6,
                 "steps": len(pairs),
+                "block_round_trips": asked,
             }
         )
     return rows
-
-
-EVENTS = ("allocate_out", "allocation_in", "plan_out")
 
 
 # -- 2. message round trip --------------------------------------------------------------------
@@ -475,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
                 control_rows,
                 CONTROL_COLUMNS,
                 title=f"Between two steps, hop by hop: the same run without async scheduling, "
-                f"so the Worker waits for each hop ({control_rows[0]['steps']} steps):",
+                f"so the Worker waits for each hop ({control_rows[0]['steps']} steps, "
+                f"{control_rows[0]['block_round_trips']} of them asked the BlockManager):",
             )
         )
     if not args.skip_ipc:

@@ -58,7 +58,10 @@ def test_bench_overhead_splits_the_step_and_the_wait_between_steps_hop_by_hop(ll
     hops = {r["hop"]: r for r in rows if r["table"] == "control"}
     wait = hops.pop("the Worker waits between two steps (all of the above)")
     period = hops.pop("step period")
-    assert len(hops) == 5
+    blocks = hops.pop("BlockManager round trip (AllocateStep -> Allocation)")
+    assert len(hops) == 3
     # each hop is timed in the order the messages go (a mark out of order makes one negative)
     assert all(hop["p50_us"] > 0 and hop["mean_us"] > 0 for hop in hops.values())
     assert 0 < wait["mean_us"] < period["mean_us"]
+    # most decode steps fit in the blocks their requests hold: no round trip (0 us)
+    assert blocks["p50_us"] == 0 and 0 < blocks["block_round_trips"] < blocks["steps"] / 2

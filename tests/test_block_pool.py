@@ -18,8 +18,8 @@ def new(rid, tokens, count=None, computed=0):
     return BlockNeed(rid, computed, len(tokens) if count is None else count, True, list(tokens))
 
 
-def running(rid, computed, count, appended=()):
-    return BlockNeed(rid, computed, count, False, list(appended))
+def running(rid, computed, count, appended=(), lookahead=0):
+    return BlockNeed(rid, computed, count, False, list(appended), lookahead=lookahead)
 
 
 def consistent(pool: BlockPool) -> None:
@@ -171,6 +171,39 @@ def test_swap_out_and_back_in_keeps_the_request_and_its_computed_tokens():
     consistent(pool)
 
 
+def test_lookahead_room_comes_from_spare_blocks_only_and_never_preempts():
+    pool = BlockPool(10, BS, watermark=0.2, prefix_caching=False)  # 2 blocks of watermark
+    pool.allocate_step([new("a", [1] * 16), new("b", [2] * 16)])
+    out = pool.allocate_step([running("a", 16, 1, [5], lookahead=BS), running("b", 16, 1, [6])])
+    a, b = out.granted
+    assert len(a.block_ids) == 2  # one for the step's token, one of room beyond it
+    assert len(b.block_ids) == 1 and pool.num_free == 5
+    out = pool.allocate_step([running("a", 17, 1, [7], lookahead=BS)])
+    assert out.granted[0].block_ids == []  # 18 tokens + 16 of room: its 3 blocks hold them
+    pool.allocate_step([new("c", [3] * 48)])  # 3 blocks: 2 free, both the watermark
+    out = pool.allocate_step([running("a", 18, 15, [8] * 15, lookahead=BS)])
+    assert out.granted[0].block_ids == [] and not out.preempted  # 33 tokens: no room spared
+    out = pool.allocate_step([running("a", 33, 16, lookahead=BS), running("b", 17, 1)])
+    assert len(out.granted[0].block_ids) == 1 and len(out.granted[1].block_ids) == 0
+    assert not out.preempted and pool.num_free == 1
+    consistent(pool)
+
+
+def test_a_request_swapped_out_with_lookahead_room_comes_back_only_when_all_of_it_fits():
+    pool = BlockPool(6, BS, watermark=0.0, prefix_caching=False, num_cpu_blocks=6, swap=True)
+    pool.allocate_step([new("a", [1] * 16)])
+    pool.allocate_step([running("a", 16, 1, [5], lookahead=BS)])  # 3 blocks for 17 tokens
+    pool.allocate_step([new("b", [2] * 48)])  # the 3 others
+    out = pool.allocate_step([running("b", 48, 1, [6]), running("a", 17, 1, [7])])
+    assert out.swapped == ["a"] and pool.num_free == 2
+    out = pool.allocate_step([new("a", [1] * 18, count=1, computed=17)])
+    assert out.denied == ["a"] and pool.num_free == 2  # 3 blocks to bring back, 2 free
+    pool.free("b")
+    out = pool.allocate_step([new("a", [1] * 18, count=1, computed=17)])
+    assert len(out.granted[0].block_ids) == 3 and len(out.swap_in) == 3
+    consistent(pool)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(
@@ -185,7 +218,8 @@ def test_swap_out_and_back_in_keeps_the_request_and_its_computed_tokens():
     st.booleans(),
 )
 def test_random_steps_keep_the_pool_consistent_and_everything_comes_back(ops, swap):
-    """Allocate, append, cache hits, fork, preempt (recompute or swap), swap back in, free."""
+    """Allocate, append, cache hits, fork, preempt (recompute or swap), swap back in, free,
+    lookahead."""
     pool = BlockPool(14, 8, num_cpu_blocks=10, swap=swap)
     prefixes = [[7] * 24, [8] * 16, [9] * 5, []]
     state: dict[str, list[int]] = {}  # running: [computed, tokens the pool knows]
@@ -194,11 +228,12 @@ def test_random_steps_keep_the_pool_consistent_and_everything_comes_back(ops, sw
     def step_need(rid: str, grow: int) -> BlockNeed:
         computed, total = state[rid]
         if computed < total:  # mid-prefill: more of the prompt
-            return running(rid, computed, min(grow, total - computed))
+            return running(rid, computed, min(grow, total - computed), lookahead=lookahead)
         state[rid][1] += 1  # decode: one sampled token told, one computed
-        return running(rid, computed, 1, [3])
+        return running(rid, computed, 1, [3], lookahead=lookahead)
 
     for rid, grow, op, prefix in ops:
+        lookahead = 8 * (prefix % 2)  # half the steps ask for a block of room beyond the step
         if op == "finish":
             pool.free(rid)
             state.pop(rid, None)

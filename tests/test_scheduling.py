@@ -137,3 +137,21 @@ def test_a_high_priority_request_is_not_starved_by_a_flood_of_low_priority_work(
         assert stats.num_preemptions >= 1  # it took a running low-priority request's seat
     finally:
         assert server.stop() == 0
+
+
+def test_steady_decoding_asks_the_block_manager_about_once_a_block_and_still_matches(
+    llama_dir, engine
+):
+    prompts = prompts_of_lengths(llama_dir, [30, 7, 55, 16])
+    params = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+    before = engine.client.health().stats
+    results = generate_concurrently(engine.address, prompts, params)
+    after = engine.wait_blocks_free()
+    for prompt, (_, ids, _) in zip(prompts, results):
+        assert ids == hf_greedy(llama_dir, prompt, 160)
+    steps = after.num_steps - before.num_steps
+    trips = after.num_block_round_trips - before.num_block_round_trips
+    assert steps >= 160
+    # every step asked before (steps == trips); now a request asks for a block of 16 tokens of
+    # room whenever it needs a block, so one round trip serves about 16 steps
+    assert trips <= steps // 8
