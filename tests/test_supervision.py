@@ -90,6 +90,29 @@ def test_sigkill_mid_stream_loses_nothing_and_output_equals_fault_free(llama_dir
     assert after[victim].pid != before[victim].pid and after[victim].state == "ready"
 
 
+def test_whole_completions_held_by_a_killed_scheduler_are_recomputed_and_equal_fault_free(
+    llama_dir, engine
+):
+    prompts = prompts_of_lengths(llama_dir, [5, 60, 120, 200, 31, 300])
+    params = SamplingParams(temperature=0.0, max_tokens=256)  # long enough to be cut short
+    before = {a.name: a for a in engine.client.health().actors}
+
+    async def run():
+        async with AsyncClient(engine.address, timeout_s=120) as client:
+            tasks = [asyncio.create_task(client.complete_all(p, params)) for p in prompts]
+            await asyncio.sleep(0.3)
+            done_before = sum(task.done() for task in tasks)
+            await asyncio.to_thread(os.kill, actor_pid(engine, "scheduler"), signal.SIGKILL)
+            return done_before, await asyncio.gather(*tasks)
+
+    done_before, results = asyncio.run(run())
+    assert done_before < len(prompts)  # the Scheduler held their tokens when it died
+    for prompt, (whole,) in zip(prompts, results):
+        assert whole.token_ids == hf_greedy(llama_dir, prompt, 256)
+    after = {a.name: a for a in engine.client.health().actors}
+    assert after["scheduler"].restarts == before["scheduler"].restarts + 1
+
+
 def test_a_sigstopped_worker_is_killed_within_three_heartbeats_and_streams_complete(
     llama_dir, engine
 ):
