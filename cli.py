@@ -231,18 +231,21 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    """Print each actor's name, PID, state, restarts and heartbeat age, and the engine's stats."""
+    """Print each actor's name, PID, state, restarts, heartbeat age and the messages it could not
+    handle, and the engine's stats."""
     try:
         with Client(args.address) as client:
             health = client.health(timeout_s=args.timeout_s)
     except EngineError as exc:
         print(f"actorserve status: {exc}", file=sys.stderr)
         return 1
-    print(f"{'actor':<14}{'pid':>8}  {'state':<11}{'restarts':>9}{'heartbeat age':>15}")
+    print(
+        f"{'actor':<14}{'pid':>8}  {'state':<11}{'restarts':>9}{'heartbeat age':>15}{'errors':>8}"
+    )
     for actor in health.actors:
         print(
             f"{actor.name:<14}{actor.pid:>8}  {actor.state:<11}{actor.restarts:>9}"
-            f"{actor.heartbeat_age_s:>14.2f}s"
+            f"{actor.heartbeat_age_s:>14.2f}s{actor.errors:>8}"
         )
     s = health.stats
     print(

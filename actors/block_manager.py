@@ -4,7 +4,8 @@ Inbox: AllocateStep, FreeBlocks, Reset (Scheduler); StatsQuery (from the Schedul
 Engine); Stop. AllocateStep and FreeBlocks of another epoch than the last Reset's are dropped.
 Outbox: Allocation -> Scheduler; StatsReply -> Engine; Ready, Heartbeat -> supervisor.
 Owns: the free list and every request's block table.
-Dies when: Stop, SIGTERM, or its supervisor goes away.
+Dies when: Stop, SIGTERM, or its supervisor goes away; or an allocation fails (the pool may be
+inconsistent): it exits and the supervisor's restart recovers every request.
 """
 
 from __future__ import annotations
@@ -51,13 +52,19 @@ class BlockManager(Actor):
     def on_allocate_step(self, message: AllocateStep) -> None:
         if message.epoch != self.epoch:
             return
-        allocation = self.pool.allocate_step(
-            message.needs,
-            message.new_token_budget,
-            message.overlapped,
-            self.epoch,
-            message.step_id,
-        )
+        try:
+            allocation = self.pool.allocate_step(
+                message.needs,
+                message.new_token_budget,
+                message.overlapped,
+                self.epoch,
+                message.step_id,
+            )
+        except Exception:
+            # The pool may be half changed, and the Scheduler waits for this Allocation: a
+            # restart (Reset, the Engine re-submitting every live request) is the way back.
+            self.log.exception("allocation failed (step %d); restarting", message.step_id)
+            os._exit(1)
         self.send("scheduler", allocation)
 
     def on_free_blocks(self, message: FreeBlocks) -> None:

@@ -156,7 +156,7 @@ class Actor:
 
     def report_error(self, message: str) -> None:
         self.log.error(message)
-        self.send("supervisor", ActorError(actor=self.name, message=message))
+        self.send("supervisor", ActorError(actor=self.name, pid=os.getpid(), message=message))
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -37,7 +37,6 @@ from ..messages.control import (
     ActorStatus,
     Drain,
     Drained,
-    Heartbeat,
     Ready,
     Reset,
     Roster,
@@ -82,7 +81,13 @@ class ActorProcess:
             state = ("ready" if self.ready else "starting") if alive else "exited"
         age = round(time.monotonic() - self.last_beat, 3)
         return ActorStatus(
-            self.name, self.process.pid, state, self.restarts, age, round(self.last_recovery_s, 3)
+            self.name,
+            self.process.pid,
+            state,
+            self.restarts,
+            age,
+            round(self.last_recovery_s, 3),
+            self.errors,
         )
 
 
@@ -181,28 +186,32 @@ class Supervisor:
     # -- watch -------------------------------------------------------------------------------
 
     async def _receive(self) -> None:
+        """Read the mailbox for as long as the supervisor runs: a message it cannot take is
+        logged, never the end of the reading (heartbeats would go unread, and every actor
+        be killed as silent)."""
         decoder = Decoder(SupervisorInbox)
         while True:
             data = await self.mailbox.receive()
             try:
-                message = decoder.decode(data)
+                self._take(decoder.decode(data))
             except DecodeError as exc:
                 log.error("could not decode a message: %s", exc)
-                continue
-            actor = self.actors.get(message.actor)
-            if actor is None or actor.process.pid != message.pid:
-                continue  # from a process that is gone
-            actor.last_beat = time.monotonic()
-            if isinstance(message, Ready):
-                actor.ready = message
-                self._ready_changed.set()
-            elif isinstance(message, Drained):
-                self._drained.set()
-            elif isinstance(message, ActorError):
-                actor.errors += 1
-                log.warning("%s reported: %s", message.actor, message.message)
-            elif isinstance(message, Heartbeat):
-                pass
+            except Exception:
+                log.exception("could not handle a message of %d bytes", len(data))
+
+    def _take(self, message) -> None:
+        actor = self.actors.get(message.actor)
+        if actor is None or actor.process.pid != message.pid:
+            return  # from a process that is gone
+        actor.last_beat = time.monotonic()
+        if isinstance(message, Ready):
+            actor.ready = message
+            self._ready_changed.set()
+        elif isinstance(message, Drained):
+            self._drained.set()
+        elif isinstance(message, ActorError):
+            actor.errors += 1
+            log.warning("%s reported: %s", message.actor, message.message)
 
     async def _monitor(self) -> None:
         interval = self.config.heartbeat_interval_s

@@ -26,6 +26,7 @@ class ActorError(msgspec.Struct, tag=True, array_like=True):
     """An actor hit a message it could not decode or handle; it keeps running."""
 
     actor: str
+    pid: int
     message: str
 
 
@@ -40,6 +41,7 @@ class ActorStatus(msgspec.Struct, omit_defaults=True):
     restarts: int = 0
     heartbeat_age_s: float = 0.0
     last_recovery_s: float = 0.0  # death noticed -> replacement Ready and state reset
+    errors: int = 0  # messages it could not decode or handle (ActorError), since it started
 
 
 class Reset(msgspec.Struct, tag=True, array_like=True):

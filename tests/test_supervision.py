@@ -15,10 +15,16 @@ import time
 from pathlib import Path
 
 import pytest
+import zmq
 
+from actorserve import cli
+from actorserve.actors.config import EngineConfig
+from actorserve.actors.supervisor import BackgroundSupervisor
 from actorserve.gateway.client import AsyncClient, Client, EngineError
+from actorserve.messages.blocks import AllocateStep, BlockNeed
+from actorserve.messages.codec import encode
 from actorserve.messages.common import SamplingParams
-from support import EngineServer, hf_greedy, prompts_of_lengths
+from support import EngineServer, generate_concurrently, hf_greedy, prompts_of_lengths
 
 MAX_TOKENS = 48
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -111,6 +117,57 @@ def test_whole_completions_held_by_a_killed_scheduler_are_recomputed_and_equal_f
         assert whole.token_ids == hf_greedy(llama_dir, prompt, 256)
     after = {a.name: a for a in engine.client.health().actors}
     assert after["scheduler"].restarts == before["scheduler"].restarts + 1
+
+
+def send_to_mailbox(supervisor, actor: str, data: bytes) -> None:
+    socket = zmq.Context.instance().socket(zmq.PUSH)
+    socket.connect(supervisor.config.addresses.mailbox(actor))
+    socket.send(data)
+    socket.close(linger=1000)
+
+
+def test_a_message_an_actor_cannot_take_is_reported_and_nothing_is_restarted(llama_dir, capfd):
+    config = EngineConfig(model=str(llama_dir), torch_threads=2, heartbeat_interval_s=0.2)
+    with BackgroundSupervisor(config) as stack:
+        supervisor = stack.supervisor
+        send_to_mailbox(supervisor, "scheduler", b"not msgpack")
+
+        def errors() -> int:
+            return next(s.errors for s in supervisor.statuses() if s.name == "scheduler")
+
+        wait_until(lambda: errors() == 1, 10, "the Scheduler's ActorError")
+        time.sleep(1.0)  # five heartbeat intervals: a supervisor deaf to them kills actors
+        assert all(s.restarts == 0 and s.state == "ready" for s in supervisor.statuses())
+        time.sleep(0.3)  # the next roster reaches the Engine, which health replies read
+        assert cli.main(["status", "--address", supervisor.client_address]) == 0
+        (row,) = [line for line in capfd.readouterr().out.splitlines() if "scheduler" in line]
+        assert row.split()[-1] == "1"  # the errors column
+        prompt = prompts_of_lengths(llama_dir, [20])[0]
+        ((_, ids, _),) = generate_concurrently(supervisor.client_address, [prompt], GREEDY)
+        assert ids == hf_greedy(llama_dir, prompt, MAX_TOKENS)
+
+
+def test_a_failed_allocation_restarts_the_block_manager_and_no_request_is_lost(llama_dir):
+    config = EngineConfig(model=str(llama_dir), torch_threads=2, heartbeat_interval_s=0.2)
+    prompts = prompts_of_lengths(llama_dir, [5, 60, 120, 200])
+    params = SamplingParams(temperature=0.0, max_tokens=256)
+    with BackgroundSupervisor(config) as stack:
+        supervisor = stack.supervisor
+
+        async def run():
+            async with AsyncClient(supervisor.client_address, timeout_s=120) as client:
+                tasks = [asyncio.create_task(client.complete_all(p, params)) for p in prompts]
+                await asyncio.sleep(0.3)
+                # blocks for a running request the BlockManager never heard of: the pool raises
+                ghost = AllocateStep(0, 999, [BlockNeed("ghost", 5, 1, False, [])], 0)
+                send_to_mailbox(supervisor, "block_manager", encode(ghost))
+                return await asyncio.gather(*tasks)
+
+        results = asyncio.run(run())
+        (blocks,) = [s for s in supervisor.statuses() if s.name == "block_manager"]
+        assert blocks.restarts == 1 and blocks.state == "ready"
+    for prompt, (whole,) in zip(prompts, results):
+        assert whole.token_ids == hf_greedy(llama_dir, prompt, 256)
 
 
 def test_a_sigstopped_worker_is_killed_within_three_heartbeats_and_streams_complete(
