@@ -24,6 +24,7 @@ from actorserve.gateway.client import AsyncClient, Client, EngineError
 from actorserve.messages.blocks import AllocateStep, BlockNeed
 from actorserve.messages.codec import encode
 from actorserve.messages.common import SamplingParams
+from actorserve.messages.step import NewRequest, StepPlan
 from support import EngineServer, generate_concurrently, hf_greedy, prompts_of_lengths
 
 MAX_TOKENS = 48
@@ -168,6 +169,26 @@ def test_a_failed_allocation_restarts_the_block_manager_and_no_request_is_lost(l
         assert blocks.restarts == 1 and blocks.state == "ready"
     for prompt, (whole,) in zip(prompts, results):
         assert whole.token_ids == hf_greedy(llama_dir, prompt, 256)
+
+
+def test_a_step_that_fails_in_the_worker_is_answered_and_the_worker_serves_on(llama_dir, capfd):
+    config = EngineConfig(model=str(llama_dir), torch_threads=2, heartbeat_interval_s=0.2)
+    with BackgroundSupervisor(config) as stack:
+        supervisor = stack.supervisor
+        # 40 tokens to compute in one block of 16: the step's input preparation raises
+        ghost = NewRequest("ghost", [1] * 40, 40, [0], 40, SamplingParams(max_tokens=1))
+        send_to_mailbox(supervisor, "worker", encode(StepPlan(0, 999, [], [], [ghost])))
+        logged: list[str] = []
+
+        def failed() -> bool:
+            logged.append(capfd.readouterr().err)
+            return "step 999 failed" in "".join(logged)
+
+        wait_until(failed, 10, "the Worker's failed step in its log")
+        prompt = prompts_of_lengths(llama_dir, [20])[0]
+        ((_, ids, _),) = generate_concurrently(supervisor.client_address, [prompt], GREEDY)
+        assert ids == hf_greedy(llama_dir, prompt, MAX_TOKENS)
+        assert all(s.restarts == 0 and s.state == "ready" for s in supervisor.statuses())
 
 
 def test_a_sigstopped_worker_is_killed_within_three_heartbeats_and_streams_complete(
