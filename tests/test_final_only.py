@@ -48,9 +48,7 @@ def engine(llama_dir):
     assert server.stop() == 0
 
 
-def test_a_final_only_request_arrives_as_one_delta_equal_to_the_streamed_output(
-    llama_dir, engine
-):
+def test_a_final_only_request_arrives_as_one_delta_equal_to_the_streamed_output(llama_dir, engine):
     for prompt in prompts_of_lengths(llama_dir, [5, 40, 100]):
         streamed = deltas_of(engine.address, prompt, GREEDY)
         held = deltas_of(engine.address, prompt, whole(GREEDY))
@@ -77,9 +75,7 @@ def test_logprobs_and_prompt_logprobs_are_held_with_their_tokens(llama_dir, engi
     assert [e.token_id for e in held.prompt_logprobs[1:]] == prompt[1:]
 
 
-def test_a_stop_string_ends_a_final_only_request_where_it_ends_the_streamed_one(
-    llama_dir, engine
-):
+def test_a_stop_string_ends_a_final_only_request_where_it_ends_the_streamed_one(llama_dir, engine):
     prompt = prompts_of_lengths(llama_dir, [12])[0]
     text = join(deltas_of(engine.address, prompt, GREEDY)).text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
@@ -91,9 +87,7 @@ def test_a_stop_string_ends_a_final_only_request_where_it_ends_the_streamed_one(
     assert outcome(join(held)) == outcome(streamed)
 
 
-def test_an_abandoned_final_only_request_frees_its_blocks_and_the_others_finish(
-    llama_dir, engine
-):
+def test_an_abandoned_final_only_request_frees_its_blocks_and_the_others_finish(llama_dir, engine):
     long, short = prompts_of_lengths(llama_dir, [64, 20])
     endless = whole(SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True))
 
