@@ -99,7 +99,7 @@ class Engine(Actor):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
-        router = zmq.Context.shadow(self.ctx.underlying).socket(zmq.ROUTER)
+        router = self.ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         address = self.addresses.client
         if address.startswith("ipc://"):

@@ -21,7 +21,6 @@ from typing import Any, ClassVar
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from ..messages.codec import DecodeError, Decoder, encode
 from ..messages.control import ActorError, Heartbeat, Ready, Stop
@@ -113,7 +112,7 @@ class Actor:
         self.config = config
         self.addresses = config.addresses
         self.log = logging.getLogger(self.name)
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.Context()  # sockets read through LoopSocket, not pyzmq's asyncio
         self._decoder = Decoder(self.inbox)
         self._handlers = {}
         for message_type in typing.get_args(self.inbox):
@@ -147,8 +146,7 @@ class Actor:
         socket.send(encode(message), copy=False)
 
     def _connect(self, peer: str) -> zmq.Socket:
-        sync_ctx = zmq.Context.shadow(self.ctx.underlying)
-        socket = sync_ctx.socket(zmq.PUSH)
+        socket = self.ctx.socket(zmq.PUSH)
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.LINGER, 2000)
         socket.connect(self.addresses.mailbox(peer))
@@ -163,7 +161,7 @@ class Actor:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.request_stop)
-        socket = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PULL)
+        socket = self.ctx.socket(zmq.PULL)
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.bind(self.addresses.mailbox(self.name))
         mailbox = LoopSocket(socket)

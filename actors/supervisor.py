@@ -28,7 +28,6 @@ from collections import deque
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from ..messages.codec import DecodeError, Decoder, SupervisorInbox, encode
 from ..messages.common import PROTOCOL_VERSION
@@ -110,7 +109,7 @@ class Supervisor:
         self._ready_changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._outboxes: dict[str, zmq.Socket] = {}
-        self.ctx: zmq.asyncio.Context | None = None  # made by start()
+        self.ctx: zmq.Context | None = None  # made by start()
         self.mailbox: LoopSocket | None = None
 
     @property
@@ -120,8 +119,8 @@ class Supervisor:
     # -- start -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.ctx = zmq.asyncio.Context()
-        socket = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PULL)
+        self.ctx = zmq.Context()  # sockets read through LoopSocket, not pyzmq's asyncio
+        socket = self.ctx.socket(zmq.PULL)
         socket.bind(self.config.addresses.mailbox("supervisor"))
         self.mailbox = LoopSocket(socket)
         self._tasks.append(asyncio.create_task(self._receive()))
@@ -298,7 +297,7 @@ class Supervisor:
     def _send(self, name: str, message) -> None:
         socket = self._outboxes.get(name)
         if socket is None:
-            socket = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PUSH)
+            socket = self.ctx.socket(zmq.PUSH)
             socket.setsockopt(zmq.LINGER, 500)
             socket.connect(self.config.addresses.mailbox(name))
             self._outboxes[name] = socket

@@ -116,16 +116,14 @@ class Worker(Actor):
 
         torch.set_num_threads(self.config.torch_threads or os.cpu_count() or 1)
         self.runner = build_runner(self.config)
-        self.num_kv_blocks = self.runner.kv.num_blocks
-        self.num_cpu_blocks = self.runner.kv.num_cpu_blocks
         self.epoch = self.config.epoch
 
     def ready(self) -> Ready:
         return Ready(
             actor=self.name,
             pid=os.getpid(),
-            num_kv_blocks=self.num_kv_blocks,
-            num_cpu_blocks=self.num_cpu_blocks,
+            num_kv_blocks=self.runner.kv.num_blocks,
+            num_cpu_blocks=self.runner.kv.num_cpu_blocks,
         )
 
     def on_reset(self, message: Reset) -> None:
