@@ -223,35 +223,33 @@ class AsyncClient:
 
         Leaving the loop early (break, cancel, error) aborts the request in the engine.
         """
-        rid, message, stream = self._open(prompt, params, request_id, priority, collect=False)
-        done = 0
-        finished = False
-        try:
-            await self._socket.send(encode(message))
-            while not finished:
+        async with self._request(prompt, params, request_id, priority, False) as stream:
+            done = 0
+            while done < stream.n:
                 await self._wait(stream)
                 deltas, stream.pending = stream.pending, {}
                 for index in sorted(deltas):
-                    delta = deltas[index]
-                    done += delta.finished
-                    finished = done >= stream.n
-                    yield delta
-        finally:
-            self._streams.pop(rid, None)
-            if not finished and stream.error is None:  # a failed request is gone already
-                self._abort_soon(rid)
+                    done += deltas[index].finished
+                    yield deltas[index]
 
-    def _open(self, prompt, params, request_id, priority, collect: bool):
-        """A new request's id, its GenerateRequest and its registered stream."""
+    @contextlib.asynccontextmanager
+    async def _request(self, prompt, params, request_id, priority, collect: bool):
+        """Register the request's stream and send it; on the way out, forget the stream, and
+        abort the request in the engine unless every sample finished or it failed there."""
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise EngineError(f"request_id {rid!r} is already streaming", "invalid_request", rid)
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         params = params or SamplingParams()
-        message = GenerateRequest(rid, text, ids, params, priority)
         stream = self._streams[rid] = _Stream(max(1, params.n), collect)
         self._ensure_receiver()
-        return rid, message, stream
+        try:
+            await self._socket.send(encode(GenerateRequest(rid, text, ids, params, priority)))
+            yield stream
+        finally:
+            self._streams.pop(rid, None)
+            if stream.finished < stream.n and stream.error is None:  # else it is gone already
+                self._abort_soon(rid)
 
     async def _wait(self, stream: _Stream) -> None:
         """Until the stream has news (a collecting one: until it has finished); raises its
@@ -281,17 +279,9 @@ class AsyncClient:
         self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0
     ) -> list[Delta]:
         """Every sample of the request (`params.n` of them) as one joined Delta, by index."""
-        rid, message, stream = self._open(prompt, final_only(params), None, priority, True)
-        finished = False
-        try:
-            await self._socket.send(encode(message))
+        async with self._request(prompt, final_only(params), None, priority, True) as stream:
             await self._wait(stream)
-            finished = True
             return join_samples(stream.collected)
-        finally:
-            self._streams.pop(rid, None)
-            if not finished and stream.error is None:  # a failed request is gone already
-                self._abort_soon(rid)
 
     async def abort(self, request_id: str) -> None:
         await self._socket.send(encode(AbortRequest(request_id)))
