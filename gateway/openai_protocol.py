@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from ..messages.common import MAX_LOGPROBS, MAX_N, FinishReason, SamplingParams
+from ..messages.common import MAX_LOGPROBS, MAX_N, FinishReason, OutputKind, SamplingParams
 from .openai_logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprob
 
 
@@ -148,6 +148,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ) from None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+        """The engine's params; a non-streamed request is a whole completion (final_only)."""
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -169,6 +170,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             logit_bias=self.token_bias(),
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            output_kind=OutputKind.DELTA if self.stream else OutputKind.FINAL_ONLY,
         )
 
     @property

@@ -21,7 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..messages.client import Delta
 from ..messages.common import FinishReason
-from .client import final_only, join_samples
+from .client import join_samples
 from .openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from .openai_protocol import (
     APIError,
@@ -171,8 +171,6 @@ async def completions(request: Request, gateway: Gateway) -> Response:
     check_max_tokens(body.max_tokens, "max_tokens")
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     params = body.sampling_params(max_tokens, body.logprobs)
-    if not body.stream:
-        params = final_only(params)
     rid = f"cmpl-{uuid.uuid4().hex}"
     model, created = gateway.settings.model_id, now()
     names = gateway.token_names
@@ -225,8 +223,6 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
     requested = body.requested_max_tokens
     max_tokens = requested if requested is not None else max(room, 1)
     params = body.sampling_params(max_tokens, body.logprobs_count)
-    if not body.stream:
-        params = final_only(params)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     model, created = gateway.settings.model_id, now()
     names = gateway.token_names
