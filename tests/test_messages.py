@@ -48,6 +48,13 @@ def test_client_messages_name_the_bad_field():
     )
     with pytest.raises(DecodeError, match=r"\$\.params\.top_p"):
         decoder.decode(bad)
+    unknown_kind = msgspec.msgpack.encode(
+        {"type": "GenerateRequest", "request_id": "r", "params": {"output_kind": "batch"}}
+    )
+    with pytest.raises(
+        DecodeError, match=r"Invalid enum value 'batch' - at `\$\.params\.output_kind`"
+    ):
+        decoder.decode(unknown_kind)
     assert peek_request_id(bad) == "r"
     assert peek_request_id(b"\xc1") is None
 
