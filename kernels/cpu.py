@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from . import native, reference
 
-__all__ = ["CpuAttention", "argmax_rows", "store_kv"]
+__all__ = ["CpuAttention", "GreedyHead", "argmax_rows", "store_kv"]
 
 DECODE_GROUP = 16  # decode rows per attention call (sorted by length, padded within the group)
 
@@ -191,6 +191,33 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     if lib is not None:
         return native.argmax_rows(lib, logits)
     return logits.max(dim=-1).indices
+
+
+class GreedyHead:
+    """An fp32 LM head with greedy sampling fused in (kernels/cpu_greedy_head.c): hidden rows ->
+    the first maximum of each row's logits, which are never written. At a step's 64 rows and a
+    32000-word vocabulary it takes about a quarter less time than the GEMM plus argmax_rows.
+    Holds a packed copy of the weight, made once."""
+
+    def __init__(self, lib, weight: torch.Tensor):
+        self._lib = lib
+        self.vocab = weight.shape[0]
+        self._panels = native.pack_greedy_head(lib, weight)
+
+    @classmethod
+    def for_weight(cls, weight: torch.Tensor) -> GreedyHead | None:
+        """The head for an LM head weight [V, H] in any layout; None where it cannot serve (not
+        fp32 on CPU, no C compiler)."""
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+            return None
+        lib = native.load()
+        return cls(lib, weight) if lib is not None else None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] fp32 (columns contiguous) -> [N] int64 token ids."""
+        if hidden.stride(-1) != 1:
+            hidden = hidden.contiguous()
+        return native.greedy_head(self._lib, hidden, self._panels, self.vocab)
 
 
 def store_kv(

@@ -1,14 +1,16 @@
 """Build and load the CPU kernels in C, one library: kernels/cpu_decode.c (decode attention
 reading the paged cache directly), cpu_store_kv.c (writing this step's K/V into it), cpu_argmax.c
-(greedy sampling's argmax) and cpu_elementwise.c (fused RMSNorm with its residual add,
+(greedy sampling's argmax), cpu_greedy_head.c (the LM head and that argmax fused, for steps
+whose rows all sample greedily) and cpu_elementwise.c (fused RMSNorm with its residual add,
 SiLU-and-multiply), with cpu_vec.h.
 
 Built with the machine's C compiler on first use (under a second on gcc) into a per-user cache,
 named by a hash of the source, the flags, the compiler and the CPU, so a changed file or another
-machine never loads a stale library. The library is linked against the OpenMP runtime that torch
-already has loaded (libgomp.so.1 is matched by soname), so the kernel and torch share one thread
-pool. Where there is no compiler, or the build fails, `load()` returns None and the callers
-(kernels/cpu.py, kernels/elementwise.py) keep their torch paths; the reason is logged once.
+machine never loads a stale library (a new build removes the older ones). The library is linked
+against the OpenMP runtime that torch already has loaded (libgomp.so.1 is matched by soname), so
+the kernel and torch share one thread pool. Where there is no compiler, or the build fails,
+`load()` returns None and the callers (kernels/cpu.py, kernels/elementwise.py) keep their torch
+paths; the reason is logged once.
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = tuple(
-    HERE / name for name in ("cpu_decode.c", "cpu_argmax.c", "cpu_elementwise.c", "cpu_store_kv.c")
+    HERE / name
+    for name in (
+        "cpu_decode.c",
+        "cpu_argmax.c",
+        "cpu_greedy_head.c",
+        "cpu_elementwise.c",
+        "cpu_store_kv.c",
+    )
 )
 HEADERS = (HERE / "cpu_vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm")
@@ -87,6 +96,9 @@ def build() -> Path | None:
         if result.returncode != 0:
             raise RuntimeError(f"{given} failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: concurrent builders each install a whole file
+    for stale in target.parent.glob("cpu_kernels-*.so"):
+        if stale != target:  # a process that loaded it keeps its mapping
+            stale.unlink(missing_ok=True)
     return target
 
 
@@ -108,6 +120,10 @@ def load() -> ctypes.CDLL | None:
     lib.decode_attention.argtypes += [ctypes.c_float, ptr]
     lib.argmax_rows.restype = None
     lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
+    lib.greedy_head.restype = ctypes.c_int
+    lib.greedy_head.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
+    lib.greedy_head_panel_width.restype = i64
+    lib.greedy_head_panel_width.argtypes = []
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
     lib.store_kv.restype = ctypes.c_int
@@ -167,6 +183,37 @@ def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
     lib.argmax_rows(
         logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr()
     )
+    return out
+
+
+def pack_greedy_head(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """The LM head weight [V, H] -> the panels greedy_head reads: [ceil(V / NR), H, NR] with
+    panel p, element (i, j) = weight[p * NR + j, i], zero past V (NR: the library's width)."""
+    width = lib.greedy_head_panel_width()
+    vocab, hidden = weight.shape
+    padded = torch.zeros(-(-vocab // width) * width, hidden, dtype=torch.float32)
+    padded[:vocab] = weight
+    return padded.view(-1, width, hidden).transpose(1, 2).contiguous()
+
+
+def greedy_head(
+    lib: ctypes.CDLL, hidden: torch.Tensor, panels: torch.Tensor, vocab: int
+) -> torch.Tensor:
+    """hidden [N, H] fp32 (rows may be strided, columns contiguous), panels from
+    pack_greedy_head -> [N] int64: (hidden @ weight.T).max(dim=-1).indices, the logits never
+    written (see cpu_greedy_head.c)."""
+    out = torch.empty(hidden.shape[0], dtype=torch.int64)
+    status = lib.greedy_head(
+        hidden.data_ptr(),
+        hidden.shape[0],
+        hidden.shape[1],
+        hidden.stride(0),
+        panels.data_ptr(),
+        vocab,
+        out.data_ptr(),
+    )
+    if status != 0:
+        raise MemoryError("greedy_head could not allocate its buffers")
     return out
 
 

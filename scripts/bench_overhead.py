@@ -6,8 +6,10 @@
    (random-token prompts of 16-512 tokens, `--output-len` tokens each, ignore_eos) with the
    Worker tracing its steps (ACTORSERVE_STEP_TRACE, actors/worker/runner.py). Over the decode
    steps that run all `--num-requests` requests, each step's period (one step start to the next)
-   is split into: decoder forward and lm_head (the model), input preparation (applying the
-   StepPlan to the persistent batch, flat inputs), sampling and bookkeeping, and the time outside
+   is split into: decoder forward and lm_head (the model; with every row greedy, the LM head
+   picks the tokens itself, kernels/cpu_greedy_head.c, so the argmax is in that row), input
+   preparation (applying the StepPlan to the persistent batch, flat inputs), sampling and
+   bookkeeping, and the time outside
    the Worker's step (StepResult out, the Scheduler's stop checks and TokensOut, the next plan,
    the BlockManager round trip, StepPlan in: scheduling, block allocation, messages).
    Then the same run again without async scheduling, where the Worker waits for every hop of
@@ -105,12 +107,15 @@ def full_decode_steps(steps: list[dict], batch: int) -> list[tuple[dict, dict]]:
     return pairs
 
 
+LM_HEAD = "lm_head (sampling rows; greedy: argmax fused in)"
+
+
 def step_breakdown(steps: list[dict], batch: int) -> list[dict]:
     """Rows of phase -> mean and p50 ms per step, share of the step, over full decode steps."""
     periods = [(s, n["start"] - s["start"]) for s, n in full_decode_steps(steps, batch)]
     phases = {
         "decoder forward": lambda s, p: s["forwarded"] - s["prepared"],
-        "lm_head (sampling rows only)": lambda s, p: s["logits"] - s["forwarded"],
+        LM_HEAD: lambda s, p: s["logits"] - s["forwarded"],
         "input preparation (plan -> flat inputs)": lambda s, p: s["prepared"] - s["start"],
         "sampling + bookkeeping": lambda s, p: s["end"] - s["logits"],
         "outside the worker step (scheduler, blocks, messages)": lambda s, p: (
@@ -126,7 +131,7 @@ def step_breakdown(steps: list[dict], batch: int) -> list[dict]:
             {
                 "table": "step",
                 "phase": name,
-                "model": name in ("decoder forward", "lm_head (sampling rows only)"),
+                "model": name in ("decoder forward", LM_HEAD),
                 "mean_ms": mean * 1e3,
                 "p50_ms": bc.percentile(values, 50) * 1e3,
                 "share": mean / total,

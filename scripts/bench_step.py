@@ -6,9 +6,13 @@ Builds the Worker's own runner in this process (its build_runner: model, KV cach
 ModelRunner; no other actor, no message), prefills `--num-requests` prompts of the throughput
 workload's lengths, then times `--steps` decode steps of all of them at once. Each op is timed by
 wrapping its call in time.perf_counter (the C kernels are opaque to torch's profiler): decode
-attention, the LM head, the projection GEMMs, the fused norms, RoPE, SiLU x up, store_kv, input
-preparation, sampling; "rest" is the step less all of them (embedding, Python between ops,
+attention, the LM head (with greedy sampling fused in, kernels/cpu_greedy_head.c, where it
+serves), the projection GEMMs, the fused norms, RoPE, SiLU x up, store_kv, input preparation,
+sampling (where not fused); "rest" is the step less all of them (embedding, Python between ops,
 bookkeeping).
+
+The LM head and greedy sampling are then timed both ways on the same hidden states: fused, and
+as the GEMM (`compute_logits`) followed by the argmax over the logits (`argmax_rows`).
 
 Decode attention reads every context's K/V once a layer, so it is also reported as bytes a step
 and the bandwidth they imply, next to a plain read of as many bytes from memory (not in cache),
@@ -74,6 +78,7 @@ def instrument(runner, timer: OpTimer) -> None:
             norm.forward = timer.wrap("RMSNorm (+ residual)", norm.forward)
     model.model.norm.forward = timer.wrap("RMSNorm (+ residual)", model.model.norm.forward)
     model.compute_logits = timer.wrap("lm_head", model.compute_logits)
+    model.greedy_tokens = timer.wrap("lm_head + greedy argmax (fused)", model.greedy_tokens)
     runner.prepare = timer.wrap("input preparation", runner.prepare)
     runner.sampler = timer.wrap("sampling", runner.sampler)
 
@@ -113,6 +118,33 @@ def prefill(runner, prompts: list[list[int]], blocks: list[int], budget: int) ->
         first_block += n
     runner.execute(StepPlan(0, step_id + 1, [], [], batch))
     return rids
+
+
+def head_both_ways(model, rows: int, repeat: int) -> list[dict]:
+    """Mean ms of the LM head and greedy sampling over `rows` hidden states: fused (None where it
+    does not serve) and unfused, alternated so that both see the same machine."""
+    import torch
+
+    from actorserve.kernels.cpu import argmax_rows
+
+    hidden = torch.randn(rows, model.config.hidden_size)
+    ways = {
+        "fused (cpu_greedy_head.c)": model.greedy_tokens,
+        "GEMM + argmax_rows": lambda h: argmax_rows(model.compute_logits(h)),
+    }
+    if model.greedy_tokens(hidden) is None:
+        ways.pop("fused (cpu_greedy_head.c)")
+    seconds = dict.fromkeys(ways, 0.0)
+    for _ in range(repeat):
+        for name, way in ways.items():
+            start = time.perf_counter()
+            way(hidden)
+            seconds[name] += time.perf_counter() - start
+    unfused = seconds["GEMM + argmax_rows"]
+    return [
+        {"table": "head", "way": name, "rows": rows, "ms": s / repeat * 1e3, "speedup": unfused / s}
+        for name, s in seconds.items()
+    ]
 
 
 def streaming_read_gb_s(num_bytes: int, slices: int = 4) -> float:
@@ -183,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                  "share": rest / step})  # fmt: skip
     rows.append({"table": "step", "op": f"step ({args.num_requests} decodes)", "ms": step * 1e3,
                  "share": 1.0, "p50_ms": bc.percentile(step_times, 50) * 1e3})  # fmt: skip
+    timer.on = False
+    with torch.inference_mode():
+        head_rows = head_both_ways(runner.model, args.num_requests, args.steps)
     attention_s = timer.seconds["decode attention"] / args.steps
     mean_kv = statistics.fmean(kv_bytes)
     kv_row = {
@@ -219,8 +254,20 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
     )
+    print()
+    print(
+        bc.format_table(
+            head_rows,
+            [
+                bc.Column("way", "LM head + greedy sampling"),
+                bc.Column("rows", "rows"),
+                bc.Column("ms", "ms", "{:.2f}"),
+                bc.Column("speedup", "x unfused", "{:.2f}"),
+            ],
+        )
+    )
     print(f"\nMachine: {bc.machine_line(threads)}.")
-    bc.write_json(args.json, rows + [kv_row])
+    bc.write_json(args.json, rows + [kv_row] + head_rows)
     return 0
 
 

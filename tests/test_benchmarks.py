@@ -24,15 +24,19 @@ def test_bench_step_times_every_op_once_and_within_the_step(llama_dir, tmp_path)
     )  # fmt: skip
     ops = {r["op"]: r for r in rows if r["table"] == "step"}
     timed = [
-        "decode attention", "lm_head", "GEMM qkv_proj", "GEMM o_proj", "GEMM gate_up_proj",
-        "GEMM down_proj", "RMSNorm (+ residual)", "RoPE (q and k)", "SiLU x up", "store_kv",
-        "input preparation", "sampling",
+        "decode attention", "lm_head + greedy argmax (fused)", "GEMM qkv_proj", "GEMM o_proj",
+        "GEMM gate_up_proj", "GEMM down_proj", "RMSNorm (+ residual)", "RoPE (q and k)",
+        "SiLU x up", "store_kv", "input preparation",
     ]  # fmt: skip
     assert all(ops[op]["ms"] > 0 for op in timed)
+    assert "sampling" not in ops  # greedy rows: the fused head picked every token
     # no op is timed inside another (the timed ops fit in the step, leaving a rest >= 0)
     assert 0 <= ops["rest (embedding, Python between ops)"]["ms"] < ops["step (4 decodes)"]["ms"]
     (kv,) = [r for r in rows if r["table"] == "kv"]
     assert kv["kv_mb_per_step"] > 0 and kv["attention_gb_s"] > 0
+    heads = {r["way"]: r for r in rows if r["table"] == "head"}
+    assert set(heads) == {"fused (cpu_greedy_head.c)", "GEMM + argmax_rows"}
+    assert all(r["ms"] > 0 and r["rows"] == 4 for r in heads.values())
 
 
 def test_bench_overhead_measures_the_ipc_round_trips_against_the_os_floor(tmp_path):
@@ -52,7 +56,7 @@ def test_bench_overhead_splits_the_step_and_the_wait_between_steps_hop_by_hop(ll
     )  # fmt: skip
     step = {r["phase"]: r for r in rows if r["table"] == "step"}
     assert step["decoder forward"]["mean_ms"] > 0
-    assert step["lm_head (sampling rows only)"]["mean_ms"] > 0
+    assert step["lm_head (sampling rows; greedy: argmax fused in)"]["mean_ms"] > 0
     assert 0 < step["non-model (all but the two model rows)"]["share"] < 1
     assert {r["process"] for r in rows if r["table"] == "cpu"} >= {"worker", "scheduler", "engine"}
     hops = {r["hop"]: r for r in rows if r["table"] == "control"}

@@ -2,8 +2,9 @@
 the C kernel that reads the paged cache directly (kernels/cpu_decode.c) and the grouped torch
 path kept for machines without a compiler. Decodes of many lengths, prefill chunks with and
 without a cached prefix, GQA and MHA, head sizes, block sizes, junk past a sequence's blocks, and
-the per-step layout reused across layers (and not across steps). Also store_kv and the argmax
-(kernels/cpu_argmax.c) against torch's max(dim=-1).indices."""
+the per-step layout reused across layers (and not across steps). Also store_kv, and the argmax
+(kernels/cpu_argmax.c) and the LM head with the argmax fused in (kernels/cpu_greedy_head.c)
+against torch's max(dim=-1).indices."""
 
 from __future__ import annotations
 
@@ -126,6 +127,28 @@ def test_argmax_rows_is_the_first_maximum_of_each_row(shape):
         assert torch.equal(cpu.argmax_rows(logits), logits.max(dim=-1).indices)
     strided = torch.randn(shape[0], shape[1] + 7, generator=gen)[:, 3 : 3 + shape[1]]
     assert torch.equal(cpu.argmax_rows(strided), strided.max(dim=-1).indices)
+
+
+@pytest.mark.parametrize("vocab", [1, 47, 48, 49, 1000, 32000])
+@pytest.mark.parametrize("hidden_size", [1, 16, 256])
+def test_the_greedy_head_is_the_first_maximum_of_the_logits(vocab, hidden_size):
+    """Small integers make every product exact, so ties are many and must go to the first."""
+    gen = torch.Generator().manual_seed(vocab + hidden_size)
+    weight = torch.randint(-2, 3, (vocab, hidden_size), generator=gen).float()
+    head = cpu.GreedyHead.for_weight(weight)
+    assert head is not None, "the C kernels failed to build here"
+    for rows in (1, 7, 8, 9, 64):
+        hidden = torch.randint(-2, 3, (rows, hidden_size), generator=gen).float()
+        assert torch.equal(head(hidden), (hidden @ weight.T).max(dim=-1).indices)
+    wide = torch.randint(-2, 3, (5, hidden_size + 3), generator=gen).float()
+    strided = wide[:, 2 : 2 + hidden_size]
+    assert torch.equal(head(strided), (strided @ weight.T).max(dim=-1).indices)
+    column_major = cpu.GreedyHead.for_weight(weight.t().contiguous().t())  # as the Linear layers
+    assert torch.equal(column_major(hidden), head(hidden))
+
+
+def test_the_greedy_head_refuses_what_it_cannot_serve():
+    assert cpu.GreedyHead.for_weight(torch.ones(4, 4, dtype=torch.float64)) is None
 
 
 def test_store_kv_matches_the_reference_from_strided_rows_and_skips_minus_one():

@@ -284,3 +284,17 @@ def test_the_packed_cpu_lm_head_gives_the_plain_logits(models, rows):
     torch.testing.assert_close(
         packed.compute_logits(hidden), ours.compute_logits(hidden), rtol=1e-6, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64, 200])
+def test_the_fused_greedy_head_picks_the_first_maximum_of_the_logits(models, rows):
+    _, ours, config, path = models
+    fused, _ = load_model(path, "cpu", torch.float32, attention_ops("cpu"))
+    fused.use_column_major_weights()  # as the ModelRunner does, before packing
+    fused.pack_lm_head_for_cpu()
+    hidden = torch.randn(rows, config.hidden_size, generator=torch.Generator().manual_seed(rows))
+    tokens = fused.greedy_tokens(hidden)
+    assert tokens is not None, "the fused greedy head is unavailable (no C compiler?)"
+    assert torch.equal(tokens, ours.compute_logits(hidden).max(dim=-1).indices)
+    each_alone = torch.cat([fused.greedy_tokens(hidden[i : i + 1]) for i in range(rows)])
+    assert torch.equal(tokens, each_alone)  # a row's token does not depend on the batch

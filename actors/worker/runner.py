@@ -19,33 +19,25 @@ import torch
 from ...messages.step import NewRequest, StepPlan, StepResult
 from ..config import EngineConfig
 from ..step_trace import open_trace
+from .block_tables import BlockTables
 from .kv_cache import KVCache
 from .logprobs import PromptLogprobsTracker, start_sample_logprobs
 from .models.llama import AttentionMetadata
-from .sampler import Sampler, SampleRow
+from .sampler import Sampler, SampleRow, is_plain_greedy
 
 
 @dataclass
 class CachedRequest:
-    """One request in the persistent batch. Its block table is `blocks[:num_blocks]` (a numpy
-    buffer that grows by doubling, so a step's block tables are filled without Python lists)."""
+    """One request in the persistent batch. Its block table is row `row` of the runner's
+    BlockTables, `num_blocks` long; `sample_row` is reused by every step that samples for it."""
 
     token_ids: list[int]
     num_prompt_tokens: int
     num_computed: int
-    blocks: np.ndarray  # int32
+    row: int
     num_blocks: int
     new: NewRequest  # the params and identity as first received
-    stop_token_ids: list[int]
-
-    def add_blocks(self, block_ids: list[int]) -> None:
-        end = self.num_blocks + len(block_ids)
-        if end > len(self.blocks):
-            grown = np.empty(max(end, 2 * len(self.blocks)), dtype=np.int32)
-            grown[: self.num_blocks] = self.blocks[: self.num_blocks]
-            self.blocks = grown
-        self.blocks[self.num_blocks : end] = block_ids
-        self.num_blocks = end
+    sample_row: SampleRow
 
 
 @dataclass
@@ -71,6 +63,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.eos_token_ids = config.facts.eos_token_ids
         self.requests: dict[str, CachedRequest] = {}
+        self.block_tables = BlockTables(max(1, config.max_num_seqs))
         self.sampler = Sampler(config.seed)
         self.prompt_logprobs = PromptLogprobsTracker()  # requests owing prompt logprobs
         cuda = device.type == "cuda"
@@ -81,30 +74,45 @@ class ModelRunner:
     def apply(self, plan: StepPlan) -> list[tuple[str, int]]:
         """Update the persistent batch; return the step's (request id, tokens to compute)."""
         for rid in plan.removed:
-            self.requests.pop(rid, None)
+            self.forget(rid)
         scheduled = []
         for update in plan.running:
             request = self.requests.get(update.request_id)
             if request is None:  # dropped when the step before (planned with this one) failed
                 continue
             if update.new_block_ids:
-                request.add_blocks(update.new_block_ids)
+                self.block_tables.write(request.row, request.num_blocks, update.new_block_ids)
+                request.num_blocks += len(update.new_block_ids)
             scheduled.append((update.request_id, update.num_new_tokens))
         for new in plan.new:
+            self.forget(new.request_id)  # re-sent after a preemption: a fresh start
             stops = list(new.params.stop_token_ids)
             if not new.params.ignore_eos:
                 stops += self.eos_token_ids
+            row = self.block_tables.take_row()
+            self.block_tables.write(row, 0, new.block_ids)
+            token_ids = list(new.token_ids)
             self.requests[new.request_id] = CachedRequest(
-                list(new.token_ids),
+                token_ids,
                 new.num_prompt_tokens,
                 new.num_computed_tokens,
-                np.array(new.block_ids, dtype=np.int32),
+                row,
                 len(new.block_ids),
                 new,
-                stops,
+                SampleRow(new.params, 0, 0, stops, token_ids),
             )
             scheduled.append((new.request_id, new.num_new_tokens))
         return scheduled
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request from the persistent batch (if there), freeing its block table row."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.block_tables.release(request.row, request.num_blocks)
+
+    def forget_all(self) -> None:
+        self.requests.clear()
+        self.block_tables.clear()
 
     def prepare(self, scheduled: list[tuple[str, int]]) -> StepInputs:
         """Flat inputs for the step, vectorized over requests (numpy), one request after another."""
@@ -124,9 +132,8 @@ class ModelRunner:
                 f"request {scheduled[b][0]} computes up to token {int(ends[b])} but holds "
                 f"{int(num_blocks[b])} blocks of {bs}"
             )
-        tables = np.zeros((n, int(num_blocks.max())), dtype=np.int32)
-        for b, r in enumerate(reqs):
-            tables[b, : r.num_blocks] = r.blocks[: r.num_blocks]
+        table_rows = np.fromiter((r.row for r in reqs), np.int64, n)
+        tables = self.block_tables.gather(table_rows, int(num_blocks.max()))
         if total == n:  # decodes only: one token each
             rows, positions = np.arange(n), starts
             ids = [r.token_ids[i] for r, i in zip(reqs, starts.tolist())]
@@ -145,11 +152,9 @@ class ModelRunner:
         for i, end in zip(sampling.tolist(), ends[sampling].tolist()):
             r = reqs[i]
             sample_ids.append(scheduled[i][0])
-            sample_rows.append(
-                SampleRow(
-                    r.new.params, end, end - r.num_prompt_tokens, r.stop_token_ids, r.token_ids
-                )
-            )
+            row = r.sample_row
+            row.position, row.num_output = end, end - r.num_prompt_tokens
+            sample_rows.append(row)
         host = {
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "positions": torch.from_numpy(positions),
@@ -198,16 +203,7 @@ class ModelRunner:
             prepared = self._clock()
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             forwarded = self._clock()
-            tokens: list[int] = []
-            logprobs = []
-            if inputs.sample_ids:
-                logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_index))
-                logits_done = self._clock()
-                pending = start_sample_logprobs(logits, inputs.sample_rows)  # raw distribution
-                tokens = self.sampler(logits, inputs.sample_rows)
-                logprobs = pending.finish(tokens) if pending is not None else []
-            else:
-                logits_done = forwarded
+            tokens, logprobs, logits_done = self._sample(hidden, inputs, forwarded)
             prompt_logprobs = self.prompt_logprobs.compute(
                 self.model, hidden, scheduled, self.requests
             )
@@ -227,6 +223,23 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs, forwarded: float | None):
+        """-> the sampling rows' tokens, their logprobs, and (tracing) when the logits were made.
+        When every row is plain greedy the LM head picks the tokens itself
+        (Model.greedy_tokens, where it can) and makes no logits."""
+        if not inputs.sample_ids:
+            return [], [], forwarded
+        sampled = hidden.index_select(0, inputs.sample_index)
+        if all(is_plain_greedy(row) for row in inputs.sample_rows):
+            tokens = self.model.greedy_tokens(sampled)
+            if tokens is not None:
+                return tokens.tolist(), [], self._clock()
+        logits = self.model.compute_logits(sampled)
+        logits_done = self._clock()
+        pending = start_sample_logprobs(logits, inputs.sample_rows)  # raw distribution
+        tokens = self.sampler(logits, inputs.sample_rows)
+        return tokens, pending.finish(tokens) if pending is not None else [], logits_done
 
     def _clock(self) -> float | None:
         """perf_counter when tracing (after the device caught up), else None."""

@@ -36,6 +36,18 @@ class SampleRow:
     token_ids: list[int] | None = None  # prompt + output so far (read only for penalties)
 
 
+def is_plain_greedy(row: SampleRow) -> bool:
+    """Greedy with nothing between the logits and the argmax (no penalties or bias, no stop
+    token masked for min_tokens, no logprobs): the LM head may pick the token itself."""
+    params = row.params
+    return (
+        params.temperature == 0.0
+        and params.logprobs is None
+        and not params.processes_logits
+        and not (row.num_output < params.min_tokens and row.stop_token_ids)
+    )
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)

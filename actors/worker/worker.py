@@ -140,7 +140,7 @@ class Worker(Actor):
             while (item := self.plans.get()) is not None:
                 if isinstance(item, Reset):
                     self.epoch = item.epoch
-                    self.runner.requests.clear()
+                    self.runner.forget_all()
                 elif item.epoch == self.epoch:
                     result = self._execute(item)
                     if item.running or item.new:
@@ -154,7 +154,7 @@ class Worker(Actor):
         except Exception as exc:
             self.log.exception("step %d failed", plan.step_id)
             for rid in [u.request_id for u in plan.running] + [n.request_id for n in plan.new]:
-                self.runner.requests.pop(rid, None)
+                self.runner.forget(rid)
             return StepResult(
                 plan.epoch, plan.step_id, [], [], error=f"{type(exc).__name__}: {exc}"
             )

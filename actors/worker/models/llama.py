@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actorserve.kernels import AttentionOps
+from actorserve.kernels.cpu import GreedyHead
 from actorserve.kernels.elementwise import rms_norm, silu_mul
 
 from .config import ModelConfig, RopeScaling
@@ -210,6 +211,7 @@ class CausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self._packed_lm_head: torch.Tensor | None = None  # see pack_lm_head_for_cpu
+        self._greedy_head: GreedyHead | None = None
 
     def forward(
         self,
@@ -241,27 +243,36 @@ class CausalLM(nn.Module):
                 module.weight.data = module.weight.data.t().contiguous().t()
 
     def pack_lm_head_for_cpu(self) -> bool:
-        """Keep a oneDNN-packed copy of the LM head weight for compute_logits (CPU, fp32).
+        """Keep packed copies of the LM head weight for the CPU (fp32; elsewhere nothing changes):
 
-        From 8 to a few hundred rows (a step's sampling rows) oneDNN's packed fp32 GEMM is
-        10-20% faster than MKL on the plain weight at the demo's [32000, 256], with the same
-        result; one or two rows stay faster unpacked. It is torch's private op (what
-        torch.compile's CPU freezing uses): where it is missing, False and nothing changes.
-        Costs a second copy of the weight."""
+        - one for greedy_tokens: the LM head with the argmax fused in (kernels.cpu.GreedyHead),
+          a quarter faster than the GEMM and a separate argmax at a step's rows;
+        - one for compute_logits: from 8 to a few hundred rows oneDNN's packed fp32 GEMM is
+          10-20% faster than MKL on the plain weight at the demo's [32000, 256], with the same
+          result; one or two rows stay faster unpacked. It is torch's private op (what
+          torch.compile's CPU freezing uses): where it is missing, compute_logits stays on MKL.
+        Each costs a copy of the weight. Returns whether compute_logits has the oneDNN one."""
         weight = self._lm_head_weight()
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return False
+        self._greedy_head = GreedyHead.for_weight(weight)
         if not torch.backends.mkldnn.is_available():
             return False
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+            self._packed_lm_head = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
         except (AttributeError, RuntimeError):
             return False
-        self._packed_lm_head = packed
         return True
 
     def _lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> [N] int64, the first maximum of each row's logits (what
+        compute_logits then an argmax gives), or None where no fused head serves."""
+        if self._greedy_head is None or hidden.dtype != torch.float32:
+            return None
+        return self._greedy_head(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""

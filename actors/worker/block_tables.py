@@ -1,0 +1,49 @@
+"""The persistent batch's block tables: one row of a 2-D int32 array per request in the batch.
+
+A request keeps its row while it stays in the Worker's batch; a StepPlan's new block ids are
+written once, at the end of its row, and a step's tables are one gather of the scheduled rows
+(numpy fancy indexing), not a copy per request. Both dimensions grow by doubling. A released
+row is zeroed, so the columns past a request's own blocks always hold block 0 (a valid id,
+which the attention kernels mask by sequence length).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class BlockTables:
+    def __init__(self, rows: int = 64, columns: int = 32):
+        self.table = np.zeros((rows, columns), dtype=np.int32)
+        self.free_rows = list(range(rows - 1, -1, -1))  # pop() hands out the lowest first
+
+    def take_row(self) -> int:
+        if not self.free_rows:
+            rows, columns = self.table.shape
+            grown = np.zeros((2 * rows, columns), dtype=np.int32)
+            grown[:rows] = self.table
+            self.table = grown
+            self.free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        return self.free_rows.pop()
+
+    def release(self, row: int, num_blocks: int) -> None:
+        self.table[row, :num_blocks] = 0
+        self.free_rows.append(row)
+
+    def write(self, row: int, start: int, block_ids: list[int]) -> None:
+        """Set columns [start, start + len(block_ids)) of the row."""
+        end = start + len(block_ids)
+        rows, columns = self.table.shape
+        if end > columns:
+            grown = np.zeros((rows, max(end, 2 * columns)), dtype=np.int32)
+            grown[:, :columns] = self.table
+            self.table = grown
+        self.table[row, start:end] = block_ids
+
+    def gather(self, rows: np.ndarray, width: int) -> np.ndarray:
+        """The tables of `rows`, in that order: a new [len(rows), width] array."""
+        return self.table[rows, :width]
+
+    def clear(self) -> None:
+        self.table[:] = 0
+        self.free_rows = list(range(self.table.shape[0] - 1, -1, -1))
