@@ -9,7 +9,6 @@ here, so a decode needs no token ids from the Scheduler.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from dataclasses import dataclass
 
@@ -69,7 +68,7 @@ class ModelRunner:
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None  # step inputs, KV swaps
         self.compute_stream = torch.cuda.Stream(device) if cuda else None
-        self.trace = open_trace()  # one JSON line per step with its phases' clock times
+        self.trace = open_trace()  # a record per step with its phases' clock times
 
     def apply(self, plan: StepPlan) -> list[tuple[str, int]]:
         """Update the persistent batch; return the step's (request id, tokens to compute)."""
@@ -261,4 +260,4 @@ class ModelRunner:
             "logits": logits_done,
             "end": time.perf_counter(),
         }
-        self.trace.write(json.dumps(record) + "\n")
+        self.trace.record(record)
