@@ -22,13 +22,17 @@
    of N tokens, decoded. The delta plan (N RunningUpdates, the steady state) and a full one
    (N NewRequests with their prompts) are measured, and an empty message as the floor; then the
    same with plain blocking zmq calls on both ends, which shows what the event loops add, and a
-   raw socketpair ping-pong, the operating system's own floor on this machine.
+   raw socketpair ping-pong, the operating system's own floor on this machine. Then the
+   asyncio delta plan and the socketpair again with both processes pinned to one CPU: the
+   difference is what waking a process on another CPU costs (in a VM, an inter-processor
+   interrupt and often a halted virtual CPU to wake).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
@@ -292,17 +296,34 @@ def _run_loop(coro) -> None:
         asyncio.run(coro)
 
 
-def ipc_round_trips(n: int, prompt_len: int, iterations: int, mode: str) -> list[dict]:
+@contextlib.contextmanager
+def placement(one_cpu: bool):
+    """Pin this process (and what it starts meanwhile: the echo process, zmq's I/O threads) to
+    its first allowed CPU, or leave it where it is."""
+    if not one_cpu or not hasattr(os, "sched_setaffinity"):
+        yield "" if not one_cpu else None
+        return
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        yield ", one CPU"
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def ipc_round_trips(
+    n: int, prompt_len: int, iterations: int, mode: str, names: tuple[str, ...], where: str
+) -> list[dict]:
     """mode `asyncio`: both ends on uvloop with the actors' LoopSocket; `blocking`: plain
-    blocking zmq calls on both ends (the transport and codec alone, for comparison)."""
+    blocking zmq calls on both ends (the transport and codec alone, for comparison). `names`:
+    which plans of _plans; `where`: the placement's label."""
     import zmq
 
     from actorserve.actors.runtime import LoopSocket
     from actorserve.messages.codec import Decoder, SchedulerInbox, encode
 
     plans, _ = _plans(n, prompt_len)
-    if mode == "blocking":
-        plans.pop("full")
+    plans = {name: plans[name] for name in names}
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="actorserve-ipc-") as tmp:
         inbox, outbox = f"ipc://{tmp}/worker.sock", f"ipc://{tmp}/scheduler.sock"
@@ -334,7 +355,7 @@ def ipc_round_trips(n: int, prompt_len: int, iterations: int, mode: str) -> list
                     if i >= WARMUP:
                         samples.append(elapsed)
                 label = f"StepPlan {name}" + ("" if name == "empty" else f", {n} reqs")
-                rows.append(latency_row(f"{label} ({mode})", mode, size, samples))
+                rows.append(latency_row(f"{label} ({mode}{where})", mode, size, samples, where))
             push.send(b"stop")
             mailbox.close()
             push.close(linger=1000)
@@ -359,7 +380,7 @@ while (data := s.recv(65536)) != b"stop":
 """
 
 
-def socketpair_floor(iterations: int) -> dict:
+def socketpair_floor(iterations: int, where: str) -> dict:
     """The operating system's floor: an 18-byte ping-pong over a Unix socketpair between two
     processes, no ZeroMQ and no codec (two cross-process wake-ups per round trip)."""
     import socket
@@ -381,15 +402,17 @@ def socketpair_floor(iterations: int) -> dict:
     finally:
         ours.close()
         echo.wait(10)
-    return latency_row("18 bytes over a socketpair (OS floor, no zmq)", "socketpair", 18, samples)
+    label = f"18 bytes over a socketpair (OS floor, no zmq{where})"
+    return latency_row(label, "socketpair", 18, samples, where)
 
 
-def latency_row(message: str, mode: str, size: int, samples: list[float]) -> dict:
+def latency_row(message: str, mode: str, size: int, samples: list[float], where: str) -> dict:
     """One row of the ipc table from round-trip times in seconds (warm-up already left out)."""
     return {
         "table": "ipc",
         "message": message,
         "mode": mode,
+        "one_cpu": bool(where),
         "bytes": size,
         "p50_us": bc.percentile(samples, 50) * 1e6,
         "p99_us": bc.percentile(samples, 99) * 1e6,
@@ -487,9 +510,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     if not args.skip_ipc:
         ipc_rows = []
-        for mode in ("asyncio", "blocking"):
-            ipc_rows += ipc_round_trips(args.num_requests, 256, args.ipc_iterations, mode)
-        ipc_rows.append(socketpair_floor(args.ipc_iterations))
+        n, iterations = args.num_requests, args.ipc_iterations
+        ipc_rows += ipc_round_trips(n, 256, iterations, "asyncio", ("empty", "delta", "full"), "")
+        ipc_rows += ipc_round_trips(n, 256, iterations, "blocking", ("empty", "delta"), "")
+        ipc_rows.append(socketpair_floor(iterations, ""))
+        with placement(one_cpu=True) as where:
+            if where is not None:
+                ipc_rows += ipc_round_trips(n, 256, iterations, "asyncio", ("delta",), where)
+                ipc_rows.append(socketpair_floor(iterations, where))
         rows += ipc_rows
         out.append(
             bc.format_table(
