@@ -89,6 +89,26 @@ def test_penalties_and_logit_bias_match_the_reference_row_by_row():
                 assert Sampler()(logits.clone(), rows) == expected.argmax(-1).tolist()
 
 
+def test_penalties_follow_a_row_from_step_to_step():
+    """The runner reuses a request's SampleRow every step, appending what it samples; the
+    penalties count only the new tokens each time and still match the reference."""
+    generator = torch.Generator().manual_seed(1)
+    vocab = 64
+    params = PARAMS[-1]  # every penalty and a bias
+    prompt, output = random_case(generator, vocab)
+    tokens = prompt + output[:3]
+    row = SampleRow(params, len(tokens), 3, [], tokens)
+    for step in range(3, len(output) + 1):
+        row.position, row.num_output = len(prompt) + step, step
+        logits = torch.randn(1, vocab, generator=generator) * 3
+        expected = reference_logits(logits[0], prompt, output[:step], params)
+        got = apply_logits_processors(logits.clone(), [row])[0]
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5, msg=f"step {step}")
+        tokens.extend(output[step : step + 1])  # the runner appends the sampled token
+    history = row.penalty_history
+    assert history is not None and history.num_counted == len(output)
+
+
 def test_sample_logprobs_are_the_raw_log_softmax_with_ranks_and_top_k():
     torch.manual_seed(1)
     logits = torch.randn(4, 100)

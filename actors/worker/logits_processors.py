@@ -5,8 +5,13 @@ For one row with prompt tokens P, output tokens O (the tokens sampled so far) an
     l[t] += logit_bias[t]
     r = repetition_penalty, for t in P or O:  l[t] = l[t] / r if l[t] > 0 else l[t] * r
     l[t] -= frequency_penalty * count(t in O) + presence_penalty * (t in O)
-Histories travel as Python lists (the runner's `CachedRequest.token_ids`); they become one flat
-index tensor per step (numpy, no per-token Python loop) and per-row token counts by bincount.
+A row's history is read from its SampleRow's `token_ids` (the runner's `CachedRequest.token_ids`)
+into a PenaltyHistory kept on the row across steps: the distinct prompt tokens, found once, and a
+count per distinct output token, updated with the tokens sampled since the step before. A step
+then touches only those (row, token) entries of the logits (gather, index_copy, index_add): its
+cost grows with the distinct tokens, not with the history's length or the vocabulary. Each
+entry gets the formula's operations in its order, each rounded on its own (repetition, then
+frequency, then presence).
 """
 
 from __future__ import annotations
@@ -34,17 +39,10 @@ def apply_logits_processors(logits: torch.Tensor, rows: Sequence[SampleRow]) -> 
     if any(p.logit_bias for p in params):
         sub = apply_logit_bias(sub, [p.logit_bias for p in params])
     if any(p.penalises for p in params):
-        prompts, outputs = [], []
-        for i in picked:
-            row = rows[i]
-            tokens = row.token_ids or ()
-            split = row.position - row.num_output  # prompt | output, in token_ids[:position]
-            prompts.append(tokens[:split])
-            outputs.append(tokens[split : row.position])
+        histories = [PenaltyHistory.of(rows[i]) for i in picked]
         sub = apply_penalties(
             sub,
-            prompts,
-            outputs,
+            histories,
             [p.presence_penalty for p in params],
             [p.frequency_penalty for p in params],
             [p.repetition_penalty for p in params],
@@ -70,41 +68,78 @@ def apply_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float]]) -
     return logits
 
 
-def token_counts(seqs: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
-    """[R, vocab] int64: how many times each token occurs in each of the R sequences."""
-    lengths = [len(s) for s in seqs]
-    total = sum(lengths)
-    flat = np.fromiter(chain.from_iterable(seqs), np.int64, total)
-    flat += np.repeat(np.arange(len(seqs), dtype=np.int64) * vocab, lengths)
-    bins = torch.from_numpy(flat).to(device)
-    return torch.bincount(bins, minlength=len(seqs) * vocab).view(len(seqs), vocab)
+class PenaltyHistory:
+    """One request's tokens as its penalties read them: the distinct prompt tokens, and how many
+    times each output token occurs. Held by the request's SampleRow from step to step; each step
+    counts only the output tokens sampled since the last (token_ids only ever grow)."""
+
+    __slots__ = ("split", "prompt_tokens", "counts", "num_counted")
+
+    def __init__(self, token_ids: Sequence[int], split: int):
+        self.split = split  # prompt | output in token_ids
+        self.prompt_tokens = np.unique(np.fromiter(token_ids[:split], np.int64, split))
+        self.counts: dict[int, int] = {}
+        self.num_counted = 0  # output tokens counted so far
+
+    @classmethod
+    def of(cls, row: SampleRow) -> PenaltyHistory:
+        """The row's history brought up to its `position` (made on its first step)."""
+        tokens = row.token_ids or ()
+        split = row.position - row.num_output
+        history = row.penalty_history
+        if history is None or history.split != split or history.num_counted > row.num_output:
+            history = row.penalty_history = cls(tokens, split)
+        counts = history.counts
+        for token in tokens[split + history.num_counted : row.position]:
+            counts[token] = counts.get(token, 0) + 1
+        history.num_counted = row.num_output
+        return history
+
+    def output_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """(distinct output tokens int64, their counts float32)."""
+        n = len(self.counts)
+        return (
+            np.fromiter(self.counts.keys(), np.int64, n),
+            np.fromiter(self.counts.values(), np.float32, n),
+        )
 
 
 def apply_penalties(
     logits: torch.Tensor,
-    prompts: Sequence[Sequence[int]],
-    outputs: Sequence[Sequence[int]],
+    histories: Sequence[PenaltyHistory],
     presence: Sequence[float],
     frequency: Sequence[float],
     repetition: Sequence[float],
 ) -> torch.Tensor:
-    """logits [R, vocab] float32 with row r's penalties over prompts[r] and outputs[r] -> logits.
+    """logits [R, vocab] float32 with row r's penalties over histories[r] -> logits (in place).
 
     Repetition applies to tokens seen in the prompt or the output; frequency and presence to
     tokens of the output only (OpenAI's semantics).
     """
     num_rows, vocab = logits.shape
     device = logits.device
-    out_counts = token_counts(outputs, vocab, device)
-    if any(r != 1.0 for r in repetition):
-        seen = (token_counts(prompts, vocab, device) > 0) | (out_counts > 0)
-        factor = torch.tensor(repetition, dtype=logits.dtype, device=device).unsqueeze(1)
-        factor = torch.where(seen, factor, torch.ones((), dtype=logits.dtype, device=device))
-        logits = torch.where(logits > 0, logits / factor, logits * factor)
+    outputs = [history.output_tokens() for history in histories]
+    flat = logits.view(-1)  # row r, token t at r * vocab + t
+
+    def entries(rows: list[int], tokens: list[np.ndarray]) -> torch.Tensor:
+        offsets = np.repeat(np.array(rows, dtype=np.int64) * vocab, [len(t) for t in tokens])
+        joined = np.concatenate(tokens) if tokens else np.empty(0, np.int64)
+        return torch.from_numpy(joined + offsets).to(device)
+
+    rows = [r for r in range(num_rows) if repetition[r] != 1.0]
+    if rows:  # a token in both prompt and output is listed twice, and written twice alike
+        seen = [histories[r].prompt_tokens for r in rows] + [outputs[r][0] for r in rows]
+        index = entries(rows + rows, seen)
+        values = flat.index_select(0, index)
+        factor = torch.tensor(repetition, dtype=logits.dtype, device=device)[index // vocab]
+        flat.index_copy_(0, index, torch.where(values > 0, values / factor, values * factor))
+    index = entries(list(range(num_rows)), [tokens for tokens, _ in outputs])
+    row_of = index // vocab
     if any(frequency):
-        freq = torch.tensor(frequency, dtype=logits.dtype, device=device).unsqueeze(1)
-        logits = logits - freq * out_counts.to(logits.dtype)
+        counts = torch.from_numpy(np.concatenate([c for _, c in outputs])).to(device)
+        freq = torch.tensor(frequency, dtype=logits.dtype, device=device)[row_of]
+        flat.index_add_(0, index, -(freq * counts))
     if any(presence):
-        pres = torch.tensor(presence, dtype=logits.dtype, device=device).unsqueeze(1)
-        logits = logits - pres * (out_counts > 0).to(logits.dtype)
+        pres = torch.tensor(presence, dtype=logits.dtype, device=device)[row_of]
+        flat.index_add_(0, index, -pres)
     return logits

@@ -13,7 +13,7 @@ import torch
 
 from ...kernels.cpu import argmax_rows
 from ...messages.common import SamplingParams
-from .logits_processors import apply_logits_processors
+from .logits_processors import PenaltyHistory, apply_logits_processors
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
@@ -34,6 +34,7 @@ class SampleRow:
     num_output: int  # tokens already generated
     stop_token_ids: list[int]  # EOS (unless ignore_eos) + stop_token_ids, masked before min_tokens
     token_ids: list[int] | None = None  # prompt + output so far (read only for penalties)
+    penalty_history: PenaltyHistory | None = None  # kept across steps by apply_penalties
 
 
 def is_plain_greedy(row: SampleRow) -> bool:
