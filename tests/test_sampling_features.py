@@ -22,7 +22,7 @@ from actorserve.actors.worker.logprobs import start_sample_logprobs
 from actorserve.actors.worker.sampler import Sampler, SampleRow
 from actorserve.gateway.client import AsyncClient
 from actorserve.messages.common import SamplingParams
-from support import hf_model, prompts_of_lengths
+from support import hf_greedy, hf_model, prompts_of_lengths
 
 ATOL = 1e-4
 
@@ -228,6 +228,33 @@ def test_penalised_greedy_equals_a_reference_loop_over_transformers_logits(llama
         ids.append(int(reference_logits(logits, prompt, output, params).argmax()))
     assert got == ids[len(prompt) :]
     assert plain.token_ids[0] not in got  # banned by its bias
+
+
+def test_a_step_mixing_plain_greedy_rows_with_others_gives_each_its_own_tokens(llama_dir, server):
+    """Plain greedy rows take their tokens from the fused LM head, the others from the logits:
+    in one batch each request gets what it gets alone, and the greedy ones transformers'."""
+    prompts = prompts_of_lengths(llama_dir, [12, 30, 18, 25])
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kinds = [
+        greedy,
+        msgspec.structs.replace(greedy, repetition_penalty=1.5, frequency_penalty=0.4),
+        msgspec.structs.replace(greedy, logprobs=2),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True),
+    ]
+    alone = [server.client.complete(p, k) for p, k in zip(prompts, kinds)]
+
+    async def batch():
+        async with AsyncClient(server.address, timeout_s=60) as client:
+            return await asyncio.gather(
+                *(client.complete_all(p, k) for p, k in zip(prompts, kinds))
+            )
+
+    together = [samples[0] for samples in asyncio.run(batch())]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert together[0].token_ids == hf_greedy(llama_dir, prompts[0], 12)
+    assert together[2].token_ids == hf_greedy(llama_dir, prompts[2], 12)
+    assert [e.token_id for e in together[2].logprobs] == together[2].token_ids
+    assert together[0].logprobs is None and together[1].logprobs is None  # none asked
 
 
 def test_logprobs_of_greedy_tokens_and_of_the_prompt_match_transformers(llama_dir, server):

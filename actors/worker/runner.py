@@ -224,21 +224,42 @@ class ModelRunner:
         )
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs, forwarded: float | None):
-        """-> the sampling rows' tokens, their logprobs, and (tracing) when the logits were made.
-        When every row is plain greedy the LM head picks the tokens itself
-        (Model.greedy_tokens, where it can) and makes no logits."""
-        if not inputs.sample_ids:
+        """-> the sampling rows' tokens, their logprobs ([] when none asked), and (tracing) when
+        the LM head was done.
+
+        Rows that are plain greedy get their tokens from the LM head itself (Model.greedy_tokens,
+        where it serves) and make no logits; the others go through the logits and the sampler,
+        on their own rows."""
+        rows = inputs.sample_rows
+        n = len(rows)
+        if not n:
             return [], [], forwarded
         sampled = hidden.index_select(0, inputs.sample_index)
-        if all(is_plain_greedy(row) for row in inputs.sample_rows):
-            tokens = self.model.greedy_tokens(sampled)
-            if tokens is not None:
-                return tokens.tolist(), [], self._clock()
-        logits = self.model.compute_logits(sampled)
-        logits_done = self._clock()
-        pending = start_sample_logprobs(logits, inputs.sample_rows)  # raw distribution
-        tokens = self.sampler(logits, inputs.sample_rows)
-        return tokens, pending.finish(tokens) if pending is not None else [], logits_done
+        greedy = [is_plain_greedy(row) for row in rows]
+        plain = [i for i in range(n) if greedy[i]]
+        fused = None
+        if plain:
+            fused = self.model.greedy_tokens(sampled if len(plain) == n else sampled[plain])
+        if fused is None:  # no plain row, or no fused head on this device
+            plain = []
+        other = [i for i in range(n) if not greedy[i] or fused is None]
+        tokens = [0] * n
+        for i, token in zip(plain, fused.tolist() if fused is not None else []):
+            tokens[i] = token
+        logits_done, logprobs = self._clock(), []
+        if other:
+            part_rows = rows if len(other) == n else [rows[i] for i in other]
+            logits = self.model.compute_logits(sampled if len(other) == n else sampled[other])
+            logits_done = self._clock()
+            pending = start_sample_logprobs(logits, part_rows)  # raw distribution
+            some = self.sampler(logits, part_rows)
+            for i, token in zip(other, some):
+                tokens[i] = token
+            if pending is not None:
+                logprobs = [None] * n
+                for i, entry in zip(other, pending.finish(some)):
+                    logprobs[i] = entry
+        return tokens, logprobs, logits_done
 
     def _clock(self) -> float | None:
         """perf_counter when tracing (after the device caught up), else None."""
