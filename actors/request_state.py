@@ -3,6 +3,9 @@ it ends, and (final_only) the output it holds back from the Engine."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from ..messages.blocks import BlockNeed
 from ..messages.common import FinishReason, OutputKind, SamplingParams
 from ..messages.step import AddRequest, RequestOutput
 
@@ -80,6 +83,36 @@ class Request:
         """The samples in flight take it to max_tokens or max_model_len."""
         length = len(self.token_ids) + self.samples_in_flight
         return self.samples_in_flight > 0 and self._at_length_limit(length, max_model_len)
+
+    @staticmethod
+    def victim_order(policy: str) -> Callable[[Request], tuple[int, int, int] | tuple[int, int]]:
+        """Sort key of running requests for a preemption policy: the last are preempted first
+        (lowest priority, then fewest computed tokens or last admitted)."""
+        if policy == "fewest_computed":
+            return lambda r: (r.priority, -r.num_computed, r.arrival)
+        return lambda r: r.queue_key
+
+    def schedule_tokens(self, num_computed: int, count: int) -> None:
+        """A step computes tokens [num_computed, num_computed + count): it samples for the request
+        when that reaches the last token (counting the samples already in flight)."""
+        self.num_scheduled = num_computed + count
+        if self.num_scheduled == len(self.token_ids) + self.samples_in_flight:
+            self.samples_in_flight += 1
+
+    def block_need(self, count: int, is_new: bool, block_size: int) -> BlockNeed:
+        """What a step computing `count` more tokens asks of the BlockManager: the tokens it has
+        not seen yet, and (running requests) a block of room beyond the step."""
+        told = self.told_block_manager
+        self.told_block_manager = len(self.token_ids)
+        return BlockNeed(
+            self.request_id,
+            self.num_scheduled,
+            count,
+            is_new,
+            self.token_ids[told:],
+            is_new and self.prompt_logprobs is not None,  # computes its whole prompt
+            lookahead=0 if is_new else block_size,
+        )
 
     def take_output(self) -> RequestOutput:
         """Its output not yet sent (a final_only request's held tokens), else an empty one."""

@@ -53,7 +53,10 @@ import sys
 import time
 from collections import deque
 
+import msgspec
+
 from ..messages.blocks import AllocateStep, Allocation, BlockNeed, FreeBlocks
+from ..messages.client import EngineStats
 from ..messages.codec import SchedulerInbox
 from ..messages.common import FinishReason
 from ..messages.control import Recover, Reset
@@ -86,15 +89,7 @@ class Scheduler(Actor):
         self.epoch = config.epoch
         self.arrivals = itertools.count()
         self._clear()
-        self.num_preemptions = 0
-        self.num_swaps = 0
-        self.num_recomputed_tokens = 0  # KV thrown away by recompute preemptions
-        self.num_steps = 0
-        self.num_partial_prefills = 0
-        self.num_overlapped_steps = 0
-        self.num_block_round_trips = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
+        self.counters = EngineStats()  # the Scheduler's counters (the BlockManager adds its own)
         self.last_flush = time.monotonic()  # when held final_only outputs last went out
         self.trace = EventTrace(".scheduler")  # ACTORSERVE_STEP_TRACE (scripts/bench_overhead)
 
@@ -132,7 +127,7 @@ class Scheduler(Actor):
         request = Request(message, self.eos_token_ids, next(self.arrivals))
         self.requests[request.request_id] = request
         self._enqueue(request)
-        self.prompt_tokens += request.num_prompt_tokens
+        self.counters.prompt_tokens += request.num_prompt_tokens
         self.schedule()
 
     def _enqueue(self, request: Request) -> None:
@@ -174,28 +169,19 @@ class Scheduler(Actor):
         request.swapped = swapped
         request.told_block_manager = 0  # the BlockManager forgot its tokens either way
         if not swapped:
-            self.num_recomputed_tokens += request.num_computed
+            self.counters.num_recomputed_tokens += request.num_computed
             request.num_computed = 0
         request.num_scheduled = request.num_computed  # nothing is in flight when preempting
         request.capacity = 0  # its blocks are freed or swapped out
         self._forget_in_worker(request.request_id)
         self._enqueue(request)
-        self.num_preemptions += 1
-        self.num_swaps += swapped
+        self.counters.num_preemptions += 1
+        self.counters.num_swaps += swapped
 
     def on_stats_query(self, message: StatsQuery) -> None:
-        stats = message.stats
-        stats.num_running = len(self.running)
-        stats.num_waiting = len(self.waiting)
-        stats.num_preemptions = self.num_preemptions
-        stats.num_swaps = self.num_swaps
-        stats.num_recomputed_tokens = self.num_recomputed_tokens
-        stats.num_steps = self.num_steps
-        stats.num_partial_prefills = self.num_partial_prefills
-        stats.num_overlapped_steps = self.num_overlapped_steps
-        stats.num_block_round_trips = self.num_block_round_trips
-        stats.prompt_tokens = self.prompt_tokens
-        stats.generation_tokens = self.generation_tokens
+        message.stats = msgspec.structs.replace(
+            self.counters, num_running=len(self.running), num_waiting=len(self.waiting)
+        )
         self.send("block_manager", message)
 
     # -- the step ----------------------------------------------------------------------------
@@ -234,11 +220,12 @@ class Scheduler(Actor):
         ):
             self._plan_in_held_blocks(running, counts, overlapped)
             return
+        victim_order = Request.victim_order(self.config.preemption_victim)
         pending = dict(running)
         self.pending_told = {rid: r.told_block_manager for rid, r in pending.items()}
         needs = [
-            self._need(r, counts[r.request_id], False)
-            for r in sorted(pending.values(), key=self._victim_last)
+            r.block_need(counts[r.request_id], False, self.config.block_size)
+            for r in sorted(pending.values(), key=victim_order)
         ]
         for need, request in admissions:
             needs.append(need)
@@ -246,7 +233,7 @@ class Scheduler(Actor):
         if not needs:
             return
         self.step_id += 1
-        self.num_block_round_trips += 1
+        self.counters.num_block_round_trips += 1
         self.pending = pending
         self.pending_overlapped = overlapped
         self.trace.mark(self.step_id, "allocate_out")
@@ -273,7 +260,7 @@ class Scheduler(Actor):
                     continue  # its sample 0 has not computed the prompt yet
             else:
                 count = len(request.token_ids) - request.num_computed
-                need = self._need(request, count, True)
+                need = request.block_need(count, True, self.config.block_size)
                 offered += count
             offers.append((need, request))
             seats -= 1
@@ -289,42 +276,17 @@ class Scheduler(Actor):
         in_flight = []
         for rid, request in running.items():
             count = counts[rid]
-            self._schedule_tokens(request, request.num_scheduled, count)
+            request.schedule_tokens(request.num_scheduled, count)
             in_flight.append((request, count))
             plan.running.append(RunningUpdate(rid, [], count))
         self._launch(plan, in_flight, overlapped)
 
-    def _schedule_tokens(self, request: Request, num_computed: int, count: int) -> None:
-        """A step computes tokens [num_computed, num_computed + count) of the request."""
-        request.num_scheduled = num_computed + count
-        if request.num_scheduled == len(request.token_ids) + request.samples_in_flight:
-            request.samples_in_flight += 1
-
     def _launch(self, plan: StepPlan, in_flight: list[tuple[Request, int]], overlapped: bool):
         self.in_flight.append((self.step_id, in_flight))
-        self.num_overlapped_steps += overlapped
+        self.counters.num_overlapped_steps += overlapped
         self.trace.mark(self.step_id, "plan_out")
         self.send("worker", plan)
         self.schedule()  # the next step, planned while this one runs
-
-    def _victim_last(self, request: Request):
-        """Sort key of running requests: the last ones are preempted first."""
-        if self.config.preemption_victim == "fewest_computed":
-            return (request.priority, -request.num_computed, request.arrival)
-        return request.queue_key
-
-    def _need(self, request: Request, count: int, is_new: bool) -> BlockNeed:
-        told = request.told_block_manager
-        request.told_block_manager = len(request.token_ids)
-        return BlockNeed(
-            request.request_id,
-            request.num_scheduled,
-            count,
-            is_new,
-            request.token_ids[told:],
-            is_new and request.prompt_logprobs is not None,  # computes its whole prompt
-            lookahead=0 if is_new else self.config.block_size,
-        )
 
     def _fork_need(self, request: Request) -> BlockNeed | None:
         """A forked sample shares its sample 0's prompt KV (copy-on-write of the partial last
@@ -333,7 +295,7 @@ class Scheduler(Actor):
         if parent is None:
             if request.fork_of not in self.requests:  # sample 0 is gone: compute the prompt
                 request.fork_of = None
-                return self._need(request, len(request.token_ids), True)
+                return request.block_need(len(request.token_ids), True, self.config.block_size)
             return None
         if parent.num_computed < request.num_prompt_tokens:
             return None
@@ -393,7 +355,7 @@ class Scheduler(Actor):
             if grant.request_id not in self.requests:
                 continue  # aborted meanwhile; its FreeBlocks followed the AllocateStep
             in_flight.append((request, grant.num_new_tokens))
-            self._schedule_tokens(request, grant.num_computed, grant.num_new_tokens)
+            request.schedule_tokens(grant.num_computed, grant.num_new_tokens)
             room = len(grant.block_ids) * self.config.block_size
             if grant.request_id in self.worker_knows:  # block_ids: its new blocks
                 request.capacity += room
@@ -441,7 +403,7 @@ class Scheduler(Actor):
             return  # from before a reset
         _, in_flight = self.in_flight.popleft()
         self.overlap_paused = False
-        self.num_steps += 1
+        self.counters.num_steps += 1
         if message.error is not None:
             self.report_error(f"step {message.step_id} failed in the worker: {message.error}")
             failed = [r for r, _ in in_flight if self.requests.get(r.request_id) is r]
@@ -461,7 +423,7 @@ class Scheduler(Actor):
                 continue  # finished or aborted while the step ran
             request.num_computed += count
             if request.num_computed < len(request.token_ids):
-                self.num_partial_prefills += 1
+                self.counters.num_partial_prefills += 1
         for chunk in result.prompt_logprobs:
             request = self.requests.get(chunk.request_id)
             gathered = request.prompt_logprobs if request is not None else None
@@ -475,7 +437,7 @@ class Scheduler(Actor):
                 continue
             request.samples_in_flight -= 1
             request.token_ids.append(token)
-            self.generation_tokens += 1
+            self.counters.generation_tokens += 1
             output = request.take_output()
             output.token_ids.append(token)
             if lp is not None:
