@@ -30,6 +30,9 @@
 
 int64_t greedy_head_panel_width(void) { return NR; }
 
+/* aligned_alloc wants a size that is a multiple of the alignment */
+static void *alloc64(int64_t bytes) { return aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64)); }
+
 /* One MR x NR tile of logits, folded into the row block's best values and columns. Meanwhile
  * prefetches `prefetch_lines` cache lines from `prefetch` (a slice of the next panel) into L2. */
 static void tile(const float *at, const float *panel, int64_t k, int64_t col0, int64_t n,
@@ -77,9 +80,9 @@ int greedy_head(const float *a, int64_t m, int64_t k, int64_t a_stride, const fl
     max_threads = omp_get_max_threads();
 #endif
     const int64_t state = row_blocks * MR * NR; /* one thread's best values (and columns) */
-    float *at = aligned_alloc(64, sizeof(float) * row_blocks * MR * k);
-    float *best = aligned_alloc(64, sizeof(float) * max_threads * state);
-    int32_t *where = aligned_alloc(64, sizeof(int32_t) * max_threads * state);
+    float *at = alloc64(sizeof(float) * row_blocks * MR * k);
+    float *best = alloc64(sizeof(float) * max_threads * state);
+    int32_t *where = alloc64(sizeof(int32_t) * max_threads * state);
     if (!at || !best || !where) {
         free(at), free(best), free(where);
         return -1;

@@ -246,7 +246,7 @@ class CausalLM(nn.Module):
         """Keep packed copies of the LM head weight for the CPU (fp32; elsewhere nothing changes):
 
         - one for greedy_tokens: the LM head with the argmax fused in (kernels.cpu.GreedyHead),
-          a quarter faster than the GEMM and a separate argmax at a step's rows;
+          a third less time than the GEMM and a separate argmax at a step's rows;
         - one for compute_logits: from 8 to a few hundred rows oneDNN's packed fp32 GEMM is
           10-20% faster than MKL on the plain weight at the demo's [32000, 256], with the same
           result; one or two rows stay faster unpacked. It is torch's private op (what
