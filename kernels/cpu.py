@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from . import native, reference
 
-__all__ = ["CpuAttention", "GreedyHead", "argmax_rows", "store_kv"]
+__all__ = ["CpuAttention", "GreedyHead", "PanelLinear", "argmax_rows", "store_kv"]
 
 DECODE_GROUP = 16  # decode rows per attention call (sorted by length, padded within the group)
 
@@ -194,7 +194,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 class GreedyHead:
-    """An fp32 LM head with greedy sampling fused in (kernels/cpu_greedy_head.c): hidden rows ->
+    """An fp32 LM head with greedy sampling fused in (kernels/cpu_panel_gemm.c): hidden rows ->
     the first maximum of each row's logits, which are never written. At a step's 64 rows and a
     32000-word vocabulary it takes about a third less time than the GEMM plus argmax_rows.
     Holds a packed copy of the weight, made once."""
@@ -202,7 +202,7 @@ class GreedyHead:
     def __init__(self, lib, weight: torch.Tensor):
         self._lib = lib
         self.vocab = weight.shape[0]
-        self._panels = native.pack_greedy_head(lib, weight)
+        self._panels = native.pack_panels(lib, weight)
 
     @classmethod
     def for_weight(cls, weight: torch.Tensor) -> GreedyHead | None:
@@ -218,6 +218,32 @@ class GreedyHead:
         if hidden.stride(-1) != 1:
             hidden = hidden.contiguous()
         return native.greedy_head(self._lib, hidden, self._panels, self.vocab)
+
+
+class PanelLinear:
+    """x @ weight.T for decode-sized x (tens of rows) on CPU, fp32 (kernels/cpu_panel_gemm.c):
+    the weight packed once into panels that the kernel streams from memory while it computes,
+    where MKL stalls on weights the step's K/V stream has evicted from cache. Holds the copy."""
+
+    def __init__(self, lib, weight: torch.Tensor):
+        self._lib = lib
+        self.out_features = weight.shape[0]
+        self._panels = native.pack_panels(lib, weight)
+
+    @classmethod
+    def for_weight(cls, weight: torch.Tensor) -> PanelLinear | None:
+        """For a weight [N, K] in any layout; None where it cannot serve (not fp32 on CPU, no C
+        compiler)."""
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+            return None
+        lib = native.load()
+        return cls(lib, weight) if lib is not None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] fp32 -> [M, N]."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return native.panel_linear(self._lib, x, self._panels, self.out_features)
 
 
 def store_kv(

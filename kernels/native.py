@@ -1,8 +1,8 @@
 """Build and load the CPU kernels in C, one library: kernels/cpu_decode.c (decode attention
 reading the paged cache directly), cpu_store_kv.c (writing this step's K/V into it), cpu_argmax.c
-(greedy sampling's argmax), cpu_greedy_head.c (the LM head and that argmax fused, for steps
-whose rows all sample greedily) and cpu_elementwise.c (fused RMSNorm with its residual add,
-SiLU-and-multiply), with cpu_vec.h.
+(greedy sampling's argmax), cpu_panel_gemm.c (decode-sized products against weights packed in
+panels: the projections' Linear, and the LM head with that argmax fused) and cpu_elementwise.c
+(fused RMSNorm with its residual add, SiLU-and-multiply), with cpu_vec.h.
 
 Built with the machine's C compiler on first use (under a second on gcc) into a per-user cache,
 named by a hash of the source, the flags, the compiler and the CPU, so a changed file or another
@@ -37,7 +37,7 @@ SOURCES = tuple(
     for name in (
         "cpu_decode.c",
         "cpu_argmax.c",
-        "cpu_greedy_head.c",
+        "cpu_panel_gemm.c",
         "cpu_elementwise.c",
         "cpu_store_kv.c",
     )
@@ -122,8 +122,10 @@ def load() -> ctypes.CDLL | None:
     lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
     lib.greedy_head.restype = ctypes.c_int
     lib.greedy_head.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
-    lib.greedy_head_panel_width.restype = i64
-    lib.greedy_head_panel_width.argtypes = []
+    lib.panel_linear.restype = ctypes.c_int
+    lib.panel_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
+    lib.panel_width.restype = i64
+    lib.panel_width.argtypes = []
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
     lib.store_kv.restype = ctypes.c_int
@@ -186,22 +188,35 @@ def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def pack_greedy_head(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
-    """The LM head weight [V, H] -> the panels greedy_head reads: [ceil(V / NR), H, NR] with
-    panel p, element (i, j) = weight[p * NR + j, i], zero past V (NR: the library's width)."""
-    width = lib.greedy_head_panel_width()
-    vocab, hidden = weight.shape
-    padded = torch.zeros(-(-vocab // width) * width, hidden, dtype=torch.float32)
-    padded[:vocab] = weight
-    return padded.view(-1, width, hidden).transpose(1, 2).contiguous()
+def pack_panels(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] (any layout) -> the panels cpu_panel_gemm.c reads: [ceil(N / NR), K, NR]
+    with panel p, element (i, j) = weight[p * NR + j, i], zero past N (NR: the library's
+    width)."""
+    width = lib.panel_width()
+    rows, cols = weight.shape
+    padded = torch.zeros(-(-rows // width) * width, cols, dtype=torch.float32)
+    padded[:rows] = weight
+    return padded.view(-1, width, cols).transpose(1, 2).contiguous()
+
+
+def panel_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] fp32 (rows may be strided, columns contiguous), panels from pack_panels of a
+    weight [n, K] -> x @ weight.T [M, n] (see cpu_panel_gemm.c)."""
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    status = lib.panel_linear(
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), panels.data_ptr(), n, out.data_ptr()
+    )
+    if status != 0:
+        raise MemoryError("panel_linear could not allocate its buffer")
+    return out
 
 
 def greedy_head(
     lib: ctypes.CDLL, hidden: torch.Tensor, panels: torch.Tensor, vocab: int
 ) -> torch.Tensor:
-    """hidden [N, H] fp32 (rows may be strided, columns contiguous), panels from
-    pack_greedy_head -> [N] int64: (hidden @ weight.T).max(dim=-1).indices, the logits never
-    written (see cpu_greedy_head.c)."""
+    """hidden [N, H] fp32 (rows may be strided, columns contiguous), panels from pack_panels
+    -> [N] int64: (hidden @ weight.T).max(dim=-1).indices, the logits never written (see
+    cpu_panel_gemm.c)."""
     out = torch.empty(hidden.shape[0], dtype=torch.int64)
     status = lib.greedy_head(
         hidden.data_ptr(),

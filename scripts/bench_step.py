@@ -6,13 +6,15 @@ Builds the Worker's own runner in this process (its build_runner: model, KV cach
 ModelRunner; no other actor, no message), prefills `--num-requests` prompts of the throughput
 workload's lengths, then times `--steps` decode steps of all of them at once. Each op is timed by
 wrapping its call in time.perf_counter (the C kernels are opaque to torch's profiler): decode
-attention, the LM head (with greedy sampling fused in, kernels/cpu_greedy_head.c, where it
+attention, the LM head (with greedy sampling fused in, kernels/cpu_panel_gemm.c, where it
 serves), the projection GEMMs, the fused norms, RoPE, SiLU x up, store_kv, input preparation,
 sampling (where not fused); "rest" is the step less all of them (embedding, Python between ops,
 bookkeeping).
 
 The LM head and greedy sampling are then timed both ways on the same hidden states: fused, and
-as the GEMM (`compute_logits`) followed by the argmax over the logits (`argmax_rows`).
+as the GEMM (`compute_logits`) followed by the argmax over the logits (`argmax_rows`). The
+projections run on their packed panels (kernels/cpu_panel_gemm.c), as served; with
+`--mkl-projections` on MKL instead, for comparison.
 
 Decode attention reads every context's K/V once a layer, so it is also reported as bytes a step
 and the bandwidth they imply, next to a plain read of as many bytes from memory (not in cache),
@@ -129,11 +131,11 @@ def head_both_ways(model, rows: int, repeat: int) -> list[dict]:
 
     hidden = torch.randn(rows, model.config.hidden_size)
     ways = {
-        "fused (cpu_greedy_head.c)": model.greedy_tokens,
+        "fused (cpu_panel_gemm.c)": model.greedy_tokens,
         "GEMM + argmax_rows": lambda h: argmax_rows(model.compute_logits(h)),
     }
     if model.greedy_tokens(hidden) is None:
-        ways.pop("fused (cpu_greedy_head.c)")
+        ways.pop("fused (cpu_panel_gemm.c)")
     seconds = dict.fromkeys(ways, 0.0)
     for _ in range(repeat):
         for name, way in ways.items():
@@ -172,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="timed decode steps")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--mkl-projections",
+        action="store_true",
+        help="the projections on MKL (F.linear) instead of their packed panels, to compare",
+    )
     bc.add_common_flags(parser)
     args = parser.parse_args(argv)
 
@@ -186,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     prompts = [r.prompt_ids for r in workload]
     runner, blocks = build(model_dir, prompts, args.warmup + args.steps)
+    if args.mkl_projections:
+        from actorserve.actors.worker.models.llama import Projection
+
+        for module in runner.model.modules():
+            if isinstance(module, Projection):
+                module.panel = None
     timer = OpTimer()
     instrument(runner, timer)
 

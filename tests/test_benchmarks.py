@@ -35,7 +35,7 @@ def test_bench_step_times_every_op_once_and_within_the_step(llama_dir, tmp_path)
     (kv,) = [r for r in rows if r["table"] == "kv"]
     assert kv["kv_mb_per_step"] > 0 and kv["attention_gb_s"] > 0
     heads = {r["way"]: r for r in rows if r["table"] == "head"}
-    assert set(heads) == {"fused (cpu_greedy_head.c)", "GEMM + argmax_rows"}
+    assert set(heads) == {"fused (cpu_panel_gemm.c)", "GEMM + argmax_rows"}
     assert all(r["ms"] > 0 and r["rows"] == 4 for r in heads.values())
 
 

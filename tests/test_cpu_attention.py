@@ -3,8 +3,8 @@ the C kernel that reads the paged cache directly (kernels/cpu_decode.c) and the 
 path kept for machines without a compiler. Decodes of many lengths, prefill chunks with and
 without a cached prefix, GQA and MHA, head sizes, block sizes, junk past a sequence's blocks, and
 the per-step layout reused across layers (and not across steps). Also store_kv, and the argmax
-(kernels/cpu_argmax.c) and the LM head with the argmax fused in (kernels/cpu_greedy_head.c)
-against torch's max(dim=-1).indices."""
+(kernels/cpu_argmax.c) and the LM head with the argmax fused in (kernels/cpu_panel_gemm.c)
+against torch's max(dim=-1).indices, and that file's decode-sized Linear against torch's product."""
 
 from __future__ import annotations
 
@@ -147,8 +147,25 @@ def test_the_greedy_head_is_the_first_maximum_of_the_logits(vocab, hidden_size):
     assert torch.equal(column_major(hidden), head(hidden))
 
 
+@pytest.mark.parametrize("out_features", [1, 47, 48, 49, 768])
+@pytest.mark.parametrize("in_features", [1, 16, 256])
+def test_the_panel_linear_is_the_product_with_the_weight(out_features, in_features):
+    """Small integers make every product exact: the kernel must give torch's result exactly."""
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    weight = torch.randint(-2, 3, (out_features, in_features), generator=gen).float()
+    linear = cpu.PanelLinear.for_weight(weight.t().contiguous().t())  # column-major, as served
+    assert linear is not None, "the C kernels failed to build here"
+    for rows in (1, 7, 8, 9, 64, 130):
+        x = torch.randint(-2, 3, (rows, in_features), generator=gen).float()
+        assert torch.equal(linear(x), x @ weight.T)
+    wide = torch.randint(-2, 3, (5, in_features + 3), generator=gen).float()
+    strided = wide[:, 2 : 2 + in_features]
+    assert torch.equal(linear(strided), strided @ weight.T)
+
+
 def test_the_greedy_head_refuses_what_it_cannot_serve():
     assert cpu.GreedyHead.for_weight(torch.ones(4, 4, dtype=torch.float64)) is None
+    assert cpu.PanelLinear.for_weight(torch.ones(4, 4, dtype=torch.float64)) is None
 
 
 def test_store_kv_matches_the_reference_from_strided_rows_and_skips_minus_one():

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from actorserve.actors.worker.loader import load_model
 from actorserve.actors.worker.models.config import ModelConfig, RopeScaling
-from actorserve.actors.worker.models.llama import AttentionMetadata, CausalLM
+from actorserve.actors.worker.models.llama import AttentionMetadata, CausalLM, Projection
 from actorserve.checkpoints import ensure_checkpoint
 from actorserve.kernels import attention_ops
 
@@ -298,3 +298,16 @@ def test_the_fused_greedy_head_picks_the_first_maximum_of_the_logits(models, row
     assert torch.equal(tokens, ours.compute_logits(hidden).max(dim=-1).indices)
     each_alone = torch.cat([fused.greedy_tokens(hidden[i : i + 1]) for i in range(rows)])
     assert torch.equal(tokens, each_alone)  # a row's token does not depend on the batch
+
+
+def test_projections_on_packed_panels_match_hf(models):
+    """As the ModelRunner serves on CPU: up to PANEL_ROWS rows (every step of this schedule) a
+    projection without bias runs on its packed panels (kernels/cpu_panel_gemm.c)."""
+    hf, _, _, path = models
+    packed, config = load_model(path, "cpu", torch.float32, attention_ops("cpu"))
+    packed.use_column_major_weights()
+    packed.pack_projections_for_cpu()
+    projections = [m for m in packed.modules() if isinstance(m, Projection)]
+    assert any(m.panel is not None for m in projections), "no projection got its panels"
+    assert all(m.panel is None for m in projections if m.bias is not None)  # biased: MKL
+    check_chunked_prefill_then_decode(hf, packed, config)

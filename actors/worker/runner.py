@@ -55,6 +55,7 @@ class ModelRunner:
         self.model = model
         if device.type == "cpu":
             model.use_column_major_weights()  # faster small-batch GEMMs on CPU
+            model.pack_projections_for_cpu()
             model.pack_lm_head_for_cpu()
         self.kv = kv
         self.kv_caches = kv.layers

@@ -17,12 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from actorserve.kernels import AttentionOps
-from actorserve.kernels.cpu import GreedyHead
+from actorserve.kernels.cpu import GreedyHead, PanelLinear
 from actorserve.kernels.elementwise import rms_norm, silu_mul
 
 from .config import ModelConfig, RopeScaling
 
 PACK_ROWS = 64  # oneDNN's packing hint for the LM head: a step's sampling rows
+PANEL_ROWS = 128  # at most this many rows, a projection uses its packed panels (CPU)
 
 
 class AttentionMetadata(NamedTuple):
@@ -109,6 +110,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
+class Projection(nn.Linear):
+    """A layer's Linear; after pack_for_cpu(), batches of at most PANEL_ROWS rows (decode
+    steps) go through kernels.cpu.PanelLinear, larger ones (prefill) through MKL as before."""
+
+    panel: PanelLinear | None = None
+
+    def pack_for_cpu(self) -> None:
+        """fp32 on CPU and without bias: keep a packed copy of the weight (else no change)."""
+        if self.bias is None:
+            self.panel = PanelLinear.for_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panel is not None and x.shape[0] <= PANEL_ROWS and x.dtype == torch.float32:
+            return self.panel(x)
+        return F.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, ops: AttentionOps) -> None:
         super().__init__()
@@ -117,8 +135,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.sizes = [config.q_size, config.kv_size, config.kv_size]
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Projection(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
+        self.o_proj = Projection(config.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -154,8 +172,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Projection(
+            config.hidden_size, 2 * config.intermediate_size, bias=False
+        )
+        self.down_proj = Projection(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
@@ -241,6 +261,12 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 module.weight.data = module.weight.data.t().contiguous().t()
+
+    def pack_projections_for_cpu(self) -> None:
+        """Give each decoder projection its packed panels (Projection.pack_for_cpu)."""
+        for module in self.modules():
+            if isinstance(module, Projection):
+                module.pack_for_cpu()
 
     def pack_lm_head_for_cpu(self) -> bool:
         """Keep packed copies of the LM head weight for the CPU (fp32; elsewhere nothing changes):
