@@ -17,7 +17,7 @@ Prefill chunks run one sequence at a time, causal inside the chunk, full over th
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -193,37 +193,12 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-class GreedyHead:
-    """An fp32 LM head with greedy sampling fused in (kernels/cpu_panel_gemm.c): hidden rows ->
-    the first maximum of each row's logits, which are never written. At a step's 64 rows and a
-    32000-word vocabulary it takes about a third less time than the GEMM plus argmax_rows.
-    Holds a packed copy of the weight, made once."""
-
-    def __init__(self, lib, weight: torch.Tensor):
-        self._lib = lib
-        self.vocab = weight.shape[0]
-        self._panels = native.pack_panels(lib, weight)
-
-    @classmethod
-    def for_weight(cls, weight: torch.Tensor) -> GreedyHead | None:
-        """The head for an LM head weight [V, H] in any layout; None where it cannot serve (not
-        fp32 on CPU, no C compiler)."""
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
-            return None
-        lib = native.load()
-        return cls(lib, weight) if lib is not None else None
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] fp32 (columns contiguous) -> [N] int64 token ids."""
-        if hidden.stride(-1) != 1:
-            hidden = hidden.contiguous()
-        return native.greedy_head(self._lib, hidden, self._panels, self.vocab)
+_Packed = TypeVar("_Packed", bound="PanelWeight")
 
 
-class PanelLinear:
-    """x @ weight.T for decode-sized x (tens of rows) on CPU, fp32 (kernels/cpu_panel_gemm.c):
-    the weight packed once into panels that the kernel streams from memory while it computes,
-    where MKL stalls on weights the step's K/V stream has evicted from cache. Holds the copy."""
+class PanelWeight:
+    """A weight [N, K] (any layout) packed once into the panels kernels/cpu_panel_gemm.c reads,
+    for fp32 products with decode-sized batches on CPU. Holds the copy."""
 
     def __init__(self, lib, weight: torch.Tensor):
         self._lib = lib
@@ -231,19 +206,36 @@ class PanelLinear:
         self._panels = native.pack_panels(lib, weight)
 
     @classmethod
-    def for_weight(cls, weight: torch.Tensor) -> PanelLinear | None:
-        """For a weight [N, K] in any layout; None where it cannot serve (not fp32 on CPU, no C
-        compiler)."""
+    def for_weight(cls: type[_Packed], weight: torch.Tensor) -> _Packed | None:
+        """None where it cannot serve (not fp32 on CPU, no C compiler)."""
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
             return None
         lib = native.load()
         return cls(lib, weight) if lib is not None else None
 
+    @staticmethod
+    def _rows(x: torch.Tensor) -> torch.Tensor:
+        return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class GreedyHead(PanelWeight):
+    """An fp32 LM head with greedy sampling fused in: hidden rows -> the first maximum of each
+    row's logits, which are never written. At a step's 64 rows and a 32000-word vocabulary it
+    takes about a third less time than the GEMM plus argmax_rows."""
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] fp32 -> [N] int64 token ids."""
+        return native.greedy_head(self._lib, self._rows(hidden), self._panels, self.out_features)
+
+
+class PanelLinear(PanelWeight):
+    """x @ weight.T for decode-sized x (tens of rows): the kernel streams the next panel from
+    memory while it computes this one, where MKL stalls on weights the step's K/V stream has
+    evicted from cache."""
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 -> [M, N]."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        return native.panel_linear(self._lib, x, self._panels, self.out_features)
+        return native.panel_linear(self._lib, self._rows(x), self._panels, self.out_features)
 
 
 def store_kv(
