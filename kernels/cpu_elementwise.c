@@ -4,6 +4,9 @@
  *   rms_norm:  s = x + residual (when residual is given; s is written back to residual_out),
  *              out = weight * (s * 1 / sqrt(mean(s^2) + eps))  -- Hugging Face's LlamaRMSNorm
  *   silu_mul:  out = silu(gate) * up, gate_up's rows = [gate | up]  -- LlamaMLP's activation
+ *   rope:      out = x * cos + rotate(x) * sin over each head's D values, rotate swapping the
+ *              two halves (sin's first half holds -sin: the tables' layout), each product and
+ *              the sum rounded on their own, as torch's x * cos then addcmul
  *
  * Rows may be strided (row_stride, in floats); columns are contiguous. Rows are shared out by
  * OpenMP (the libgomp torch uses; see cpu_decode.c).
@@ -56,5 +59,20 @@ void silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out) {
             store(o + i, gv * sigmoid * load(u + i));
         }
         for (; i < inter; i++) o[i] = silu(g[i]) * u[i];
+    }
+}
+
+void rope(const float *x, int64_t token_stride, int64_t head_stride, int64_t tokens,
+          int64_t heads, int64_t dim, const float *cos, const float *sin, float *out) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for schedule(static) if (tokens * heads * dim >= 32768)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * dim, *s = sin + t * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xi = x + t * token_stride + h * head_stride;
+            float *o = out + (t * heads + h) * dim;
+            for (int64_t i = 0; i < half; i++) o[i] = xi[i] * c[i] + xi[i + half] * s[i];
+            for (int64_t i = half; i < dim; i++) o[i] = xi[i] * c[i] + xi[i - half] * s[i];
+        }
     }
 }

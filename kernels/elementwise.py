@@ -36,3 +36,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return native.silu_mul(lib, gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation of x [T, H, D] by tables cos, sin [T, 1, D] laid out as [c, c] and
+    [-s, s]: x * cos + [x2, x1] * sin, with x = [x1, x2] (halves), each product and the sum
+    rounded on their own: Hugging Face's q * cos + rotate_half(q) * sin, to the bit."""
+    tables = (cos.squeeze(1), sin.squeeze(1))
+    fits = x.dim() == 3 and x.stride(-1) == 1 and x.dtype == torch.float32
+    fits = fits and all(t.is_contiguous() and t.dtype == torch.float32 for t in tables)
+    lib = native.library_for(*tables) if fits and x.device.type == "cpu" else None
+    if lib is not None:
+        return native.rope(lib, x, *tables)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

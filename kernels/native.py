@@ -132,6 +132,8 @@ def load() -> ctypes.CDLL | None:
     lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
     lib.silu_mul.restype = None
     lib.silu_mul.argtypes = [ptr, i64, i64, ptr]
+    lib.rope.restype = None
+    lib.rope.argtypes = [ptr] + [i64] * 5 + [ptr, ptr, ptr]
     return lib
 
 
@@ -263,6 +265,25 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape
     out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
     lib.silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
+    return out
+
+
+def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] fp32 (D contiguous, tokens and heads at any stride), cos and sin [T, D]
+    contiguous -> the rotated x [T, H, D], contiguous (see cpu_elementwise.c)."""
+    tokens, heads, dim = x.shape
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype)
+    lib.rope(
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(1),
+        tokens,
+        heads,
+        dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        out.data_ptr(),
+    )
     return out
 
 

@@ -1,5 +1,6 @@
 """The fused elementwise steps (kernels/elementwise.py: C on CPU fp32, torch elsewhere) give
-Hugging Face's Llama math: RMSNorm with and without its residual add, and SiLU-and-multiply."""
+Hugging Face's Llama math: RMSNorm with and without its residual add, SiLU-and-multiply, and the
+rotary embedding."""
 
 from __future__ import annotations
 
@@ -55,3 +56,25 @@ def test_silu_mul(rows, inter):
     gate_up[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(elementwise.silu_mul(gate_up), F.silu(gate) * up, **TOL)
+
+
+@pytest.mark.parametrize(
+    "tokens, heads, dim", [(1, 6, 64), (64, 6, 64), (2048, 6, 64), (3, 5, 128)]
+)
+def test_rope_in_c_is_hugging_faces_rotation_to_the_bit(tokens, heads, dim):
+    """On a strided view of the fused qkv output, as the attention layer calls it; against
+    transformers' q * cos + rotate_half(q) * sin with its [c, c] and [s, s] tables."""
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2) * dim, generator=gen)
+    x = qkv[:, : heads * dim].view(tokens, heads, dim)
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 100
+    c, s = angles.cos(), angles.sin()
+    rotated = elementwise.rope(x, torch.cat((c, c), -1)[:, None], torch.cat((-s, s), -1)[:, None])
+    assert rotated.is_contiguous()
+    half = dim // 2
+    rotate_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    hf = x * torch.cat((c, c), -1)[:, None] + rotate_half * torch.cat((s, s), -1)[:, None]
+    assert torch.equal(rotated, hf)
+    fallback = elementwise.rope(x.double(), torch.cat((c, c), -1)[:, None].double(),
+                                torch.cat((-s, s), -1)[:, None].double())  # torch path
+    torch.testing.assert_close(rotated, fallback.float(), **TOL)

@@ -18,7 +18,7 @@ from torch import nn
 
 from actorserve.kernels import AttentionOps
 from actorserve.kernels.cpu import GreedyHead, PanelLinear
-from actorserve.kernels.elementwise import rms_norm, silu_mul
+from actorserve.kernels.elementwise import rms_norm, rope, silu_mul
 
 from .config import ModelConfig, RopeScaling
 
@@ -106,8 +106,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Neox-style rotation of x [T, H, D], as Hugging Face's Llama: with x = [x1, x2] (halves),
-    [x1 * c - x2 * s, x2 * c + x1 * s] = x * [c, c] + [x2, x1] * [-s, s] (the tables' layout)."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+    [x1 * c - x2 * s, x2 * c + x1 * s] = x * [c, c] + [x2, x1] * [-s, s] (the tables' layout);
+    in C on CPU (kernels/elementwise.py)."""
+    return rope(x, cos, sin)
 
 
 class Projection(nn.Linear):
