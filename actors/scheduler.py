@@ -90,6 +90,7 @@ class Scheduler(Actor):
         self.arrivals = itertools.count()
         self._clear()
         self.counters = EngineStats()  # the Scheduler's counters (the BlockManager adds its own)
+        self.victim_order = Request.victim_order(config.preemption_victim)  # sort key, last first
         self.last_flush = time.monotonic()  # when held final_only outputs last went out
         self.trace = EventTrace(".scheduler")  # ACTORSERVE_STEP_TRACE (scripts/bench_overhead)
 
@@ -220,12 +221,11 @@ class Scheduler(Actor):
         ):
             self._plan_in_held_blocks(running, counts, overlapped)
             return
-        victim_order = Request.victim_order(self.config.preemption_victim)
         pending = dict(running)
         self.pending_told = {rid: r.told_block_manager for rid, r in pending.items()}
         needs = [
             r.block_need(counts[r.request_id], False, self.config.block_size)
-            for r in sorted(pending.values(), key=victim_order)
+            for r in sorted(pending.values(), key=self.victim_order)
         ]
         for need, request in admissions:
             needs.append(need)

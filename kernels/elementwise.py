@@ -44,8 +44,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rounded on their own: Hugging Face's q * cos + rotate_half(q) * sin, to the bit."""
     tables = (cos.squeeze(1), sin.squeeze(1))
     fits = x.dim() == 3 and x.stride(-1) == 1 and x.dtype == torch.float32
-    fits = fits and all(t.is_contiguous() and t.dtype == torch.float32 for t in tables)
-    lib = native.library_for(*tables) if fits and x.device.type == "cpu" else None
+    fits = fits and x.device.type == "cpu" and all(t.is_contiguous() for t in tables)
+    lib = native.library_for(*tables) if fits else None
     if lib is not None:
         return native.rope(lib, x, *tables)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

@@ -15,7 +15,7 @@ import numpy as np
 class BlockTables:
     def __init__(self, rows: int = 64, columns: int = 32):
         self.table = np.zeros((rows, columns), dtype=np.int32)
-        self.free_rows = list(range(rows - 1, -1, -1))  # pop() hands out the lowest first
+        self.clear()
 
     def take_row(self) -> int:
         if not self.free_rows:
@@ -45,5 +45,6 @@ class BlockTables:
         return self.table[rows, :width]
 
     def clear(self) -> None:
+        """Every row free and zeroed; pop() hands out the lowest first."""
         self.table[:] = 0
         self.free_rows = list(range(self.table.shape[0] - 1, -1, -1))

@@ -232,32 +232,29 @@ class ModelRunner:
         where it serves) and make no logits; the others go through the logits and the sampler,
         on their own rows."""
         rows = inputs.sample_rows
-        n = len(rows)
-        if not n:
+        if not rows:
             return [], [], forwarded
         sampled = hidden.index_select(0, inputs.sample_index)
-        greedy = [is_plain_greedy(row) for row in rows]
-        plain = [i for i in range(n) if greedy[i]]
-        fused = None
-        if plain:
-            fused = self.model.greedy_tokens(sampled if len(plain) == n else sampled[plain])
+        plain = [i for i, row in enumerate(rows) if is_plain_greedy(row)]
+        fused = self.model.greedy_tokens(sampled[plain]) if plain else None
         if fused is None:  # no plain row, or no fused head on this device
             plain = []
-        other = [i for i in range(n) if not greedy[i] or fused is None]
-        tokens = [0] * n
-        for i, token in zip(plain, fused.tolist() if fused is not None else []):
+        taken = set(plain)
+        other = [i for i in range(len(rows)) if i not in taken]
+        tokens = [0] * len(rows)
+        for i, token in zip(plain, fused.tolist() if plain else []):
             tokens[i] = token
         logits_done, logprobs = self._clock(), []
         if other:
-            part_rows = rows if len(other) == n else [rows[i] for i in other]
-            logits = self.model.compute_logits(sampled if len(other) == n else sampled[other])
+            other_rows = [rows[i] for i in other]
+            logits = self.model.compute_logits(sampled[other])
             logits_done = self._clock()
-            pending = start_sample_logprobs(logits, part_rows)  # raw distribution
-            some = self.sampler(logits, part_rows)
+            pending = start_sample_logprobs(logits, other_rows)  # raw distribution
+            some = self.sampler(logits, other_rows)
             for i, token in zip(other, some):
                 tokens[i] = token
             if pending is not None:
-                logprobs = [None] * n
+                logprobs = [None] * len(rows)
                 for i, entry in zip(other, pending.finish(some)):
                     logprobs[i] = entry
         return tokens, logprobs, logits_done

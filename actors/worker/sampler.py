@@ -36,6 +36,11 @@ class SampleRow:
     token_ids: list[int] | None = None  # prompt + output so far (read only for penalties)
     penalty_history: PenaltyHistory | None = None  # kept across steps by apply_penalties
 
+    @property
+    def masks_stop_tokens(self) -> bool:
+        """Before min_tokens, its stop tokens (EOS included) may not be sampled."""
+        return self.num_output < self.params.min_tokens and bool(self.stop_token_ids)
+
 
 def is_plain_greedy(row: SampleRow) -> bool:
     """Greedy with nothing between the logits and the argmax (no penalties or bias, no stop
@@ -45,7 +50,7 @@ def is_plain_greedy(row: SampleRow) -> bool:
         params.temperature == 0.0
         and params.logprobs is None
         and not params.processes_logits
-        and not (row.num_output < params.min_tokens and row.stop_token_ids)
+        and not row.masks_stop_tokens
     )
 
 
@@ -57,7 +62,7 @@ class Sampler:
         """logits [N, vocab] float32 on any device -> N token ids."""
         logits = logits.float()
         for i, row in enumerate(rows):
-            if row.num_output < row.params.min_tokens and row.stop_token_ids:
+            if row.masks_stop_tokens:
                 logits[i, row.stop_token_ids] = float("-inf")
         logits = apply_logits_processors(logits, rows)  # penalties, logit_bias (if any asks)
         tokens = argmax_rows(logits).cpu()  # the first maximum of each row
