@@ -12,6 +12,9 @@ from pathlib import Path
 import msgspec
 
 ACTORS = ("worker", "block_manager", "scheduler", "engine")  # start order; stop is the reverse
+# The Worker's second mailbox, read by its forward thread alone: StepPlan and Reset from the
+# Scheduler (its first, "worker", is the event loop's: Stop).
+WORKER_STEPS = "worker_steps"
 PREEMPTION_MODES = ("recompute", "swap")
 VICTIM_POLICIES = ("fewest_computed", "last_admitted")
 

@@ -115,7 +115,7 @@ class Actor:
         self.ctx = zmq.Context()  # sockets read through LoopSocket, not pyzmq's asyncio
         self._decoder = Decoder(self.inbox)
         self._handlers = {}
-        for message_type in typing.get_args(self.inbox):
+        for message_type in typing.get_args(self.inbox) or (self.inbox,):
             method = getattr(self, handler_name(message_type))
             self._handlers[message_type] = (method, inspect.iscoroutinefunction(method))
         self._outboxes: dict[str, zmq.Socket] = {}

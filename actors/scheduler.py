@@ -2,8 +2,8 @@
 
 Inbox: AddRequest, AbortRequests, StatsQuery (Engine); Allocation (BlockManager); StepResult
 (Worker); Reset (supervisor, after a restart); Stop.
-Outbox: AllocateStep, FreeBlocks, StatsQuery, Reset -> BlockManager; StepPlan, Reset -> Worker;
-TokensOut, Recover -> Engine.
+Outbox: AllocateStep, FreeBlocks, StatsQuery, Reset -> BlockManager; StepPlan, Reset -> the
+Worker's forward thread (its mailbox WORKER_STEPS); TokensOut, Recover -> Engine.
 Owns: the waiting queue and running set, every request's tokens and computed-token count.
 Dies when: Stop, SIGTERM, or its supervisor goes away.
 
@@ -71,6 +71,7 @@ from ..messages.step import (
     StepResult,
     TokensOut,
 )
+from .config import WORKER_STEPS
 from .request_state import Request
 from .runtime import Actor, actor_main
 from .step_trace import EventTrace
@@ -117,7 +118,7 @@ class Scheduler(Actor):
         self.epoch = message.epoch
         self._clear()
         self.send("block_manager", message)
-        self.send("worker", message)
+        self.send(WORKER_STEPS, message)
         self.send("engine", Recover(message.epoch))
 
     # -- requests in and out -----------------------------------------------------------------
@@ -285,7 +286,7 @@ class Scheduler(Actor):
         self.in_flight.append((self.step_id, in_flight))
         self.counters.num_overlapped_steps += overlapped
         self.trace.mark(self.step_id, "plan_out")
-        self.send("worker", plan)
+        self.send(WORKER_STEPS, plan)
         self.schedule()  # the next step, planned while this one runs
 
     def _fork_need(self, request: Request) -> BlockNeed | None:
@@ -387,7 +388,7 @@ class Scheduler(Actor):
         if not in_flight:  # everything was preempted, denied or refused
             if plan.removed or plan.swap_out:
                 plan.swap_in = []
-                self.send("worker", plan)
+                self.send(WORKER_STEPS, plan)
             if self.pending_overlapped:  # wait for the step in flight (unless it is done)
                 self.overlap_paused = True
                 self.schedule()

@@ -16,7 +16,8 @@ T = TypeVar("T")
 EngineInbox = TokensOut | StatsReply | Roster | Recover | Drain | Stop
 SchedulerInbox = AddRequest | AbortRequests | Allocation | StepResult | StatsQuery | Reset | Stop
 BlockManagerInbox = AllocateStep | FreeBlocks | StatsQuery | Reset | Stop
-WorkerInbox = StepPlan | Reset | Stop
+WorkerInbox = Stop
+WorkerStepsInbox = StepPlan | Reset | Stop  # read by the Worker's forward thread (WORKER_STEPS)
 SupervisorInbox = ToSupervisor
 
 DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
@@ -59,6 +60,7 @@ __all__ = [
     "SchedulerInbox",
     "SupervisorInbox",
     "WorkerInbox",
+    "WorkerStepsInbox",
     "encode",
     "peek_request_id",
 ]

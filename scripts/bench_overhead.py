@@ -249,7 +249,7 @@ def _echo_main(inbox: str, outbox: str, n: int, prompt_len: int, mode: str) -> N
     import zmq
 
     from actorserve.actors.runtime import LoopSocket
-    from actorserve.messages.codec import Decoder, WorkerInbox, encode
+    from actorserve.messages.codec import Decoder, WorkerStepsInbox, encode
 
     _, result = _plans(n, prompt_len)
     empty_result = type(result)(7, 1, [], [])
@@ -259,7 +259,7 @@ def _echo_main(inbox: str, outbox: str, n: int, prompt_len: int, mode: str) -> N
         pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
         pull.bind(inbox)
         push.connect(outbox)
-        decoder = Decoder(WorkerInbox)
+        decoder = Decoder(WorkerStepsInbox)
         while (data := pull.recv(copy=False).bytes) != b"stop":
             plan = decoder.decode(data)
             push.send(encode(result if (plan.running or plan.new) else empty_result), copy=False)
@@ -275,7 +275,7 @@ def _echo_main(inbox: str, outbox: str, n: int, prompt_len: int, mode: str) -> N
         mailbox = LoopSocket(pull)
         push = ctx.socket(zmq.PUSH)
         push.connect(outbox)
-        decoder = Decoder(WorkerInbox)
+        decoder = Decoder(WorkerStepsInbox)
         while (data := await mailbox.receive()) != b"stop":
             plan = decoder.decode(data)
             reply = result if (plan.running or plan.new) else empty_result

@@ -12,7 +12,7 @@ from actorserve.messages.codec import (
     DecodeError,
     Decoder,
     SchedulerInbox,
-    WorkerInbox,
+    WorkerStepsInbox,
     encode,
     peek_request_id,
 )
@@ -20,7 +20,7 @@ from actorserve.messages.common import SamplingParams
 from actorserve.messages.step import NewRequest, RunningUpdate, StepPlan
 
 
-def test_a_step_plan_round_trips_through_the_workers_decoder():
+def test_a_step_plan_round_trips_through_the_worker_forward_threads_decoder():
     plan = StepPlan(
         0,
         7,
@@ -28,7 +28,7 @@ def test_a_step_plan_round_trips_through_the_workers_decoder():
         [RunningUpdate("a", [3], 1)],
         [NewRequest("b", [1, 2, 3], 3, [4], 3, SamplingParams(temperature=0.0))],
     )
-    assert Decoder(WorkerInbox).decode(encode(plan)) == plan
+    assert Decoder(WorkerStepsInbox).decode(encode(plan)) == plan
 
 
 def test_an_inbox_refuses_a_message_meant_for_another_actor():

@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from actorserve import cli
-from actorserve.actors.config import EngineConfig
+from actorserve.actors.config import WORKER_STEPS, EngineConfig
 from actorserve.actors.supervisor import BackgroundSupervisor
 from actorserve.gateway.client import AsyncClient, Client, EngineError
 from actorserve.messages.blocks import AllocateStep, BlockNeed
@@ -175,9 +175,15 @@ def test_a_step_that_fails_in_the_worker_is_answered_and_the_worker_serves_on(ll
     config = EngineConfig(model=str(llama_dir), torch_threads=2, heartbeat_interval_s=0.2)
     with BackgroundSupervisor(config) as stack:
         supervisor = stack.supervisor
+        send_to_mailbox(supervisor, WORKER_STEPS, b"not msgpack")  # reported, then skipped
+        wait_until(
+            lambda: next(s.errors for s in supervisor.statuses() if s.name == "worker") == 1,
+            10,
+            "the Worker's ActorError",
+        )
         # 40 tokens to compute in one block of 16: the step's input preparation raises
         ghost = NewRequest("ghost", [1] * 40, 40, [0], 40, SamplingParams(max_tokens=1))
-        send_to_mailbox(supervisor, "worker", encode(StepPlan(0, 999, [], [], [ghost])))
+        send_to_mailbox(supervisor, WORKER_STEPS, encode(StepPlan(0, 999, [], [], [ghost])))
         logged: list[str] = []
 
         def failed() -> bool:

@@ -1,15 +1,17 @@
 """Worker actor: owns the device, the model, the paged KV cache and (on CUDA) its streams.
 
-Inbox: StepPlan, Reset (Scheduler); Stop. Plans of another epoch than the last Reset's are dropped.
+Inbox: StepPlan, Reset (Scheduler), read by the forward thread from its own mailbox
+(WORKER_STEPS); Stop, on the event loop's. Plans of another epoch than the last Reset's are dropped.
 Outbox: StepResult -> Scheduler; Ready (with num_kv_blocks), Heartbeat -> supervisor.
 Owns: model weights, KV cache tensors, the persistent batch (runner.py).
 Dies when: Stop, SIGTERM, or its supervisor goes away. A failing step is answered with
 StepResult.error, and the Worker keeps serving.
 
 The forward runs on a thread of its own so the event loop keeps sending heartbeats meanwhile.
-That thread takes the plans (and Resets, to keep their order) from a queue the event loop fills
+That thread reads the plans (and Resets, in order with them) from its own socket, decodes them
 and sends each StepResult itself: when the Scheduler planned step N+1 while step N ran, the plan
-is already waiting and the next forward starts at once, with no hop through the event loop.
+is already queued and the next forward starts at once. No plan wakes the event loop, whose
+thread would otherwise take a core and the GIL from the forward in the middle of a step.
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import zmq
+
 from ...kernels import attention_ops
-from ...messages.codec import WorkerInbox, encode
-from ...messages.control import Ready, Reset
+from ...messages.codec import DecodeError, Decoder, WorkerInbox, WorkerStepsInbox, encode
+from ...messages.control import Ready, Reset, Stop
 from ...messages.step import StepPlan, StepResult
-from ..config import EngineConfig
+from ..config import WORKER_STEPS, EngineConfig
 from ..runtime import Actor, actor_main
 
 GIB = 1 << 30
@@ -105,10 +108,13 @@ class Worker(Actor):
         # parallel regions, and every op then pays a futex wake-up (decode steps measured ~25%
         # slower on 2 cores).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self.executor, self._build)
-        self.plans: queue.SimpleQueue[StepPlan | Reset | None] = queue.SimpleQueue()
-        self.forward = loop.run_in_executor(self.executor, self._forward_loop)
+        self.loop = asyncio.get_running_loop()
+        await self.loop.run_in_executor(self.executor, self._build)
+        steps = self.ctx.socket(zmq.PULL)  # handed to the forward thread, which alone uses it
+        steps.setsockopt(zmq.RCVHWM, 0)
+        steps.bind(self.addresses.mailbox(WORKER_STEPS))
+        self.forward = self.loop.run_in_executor(self.executor, self._forward_loop, steps)
+        self.forward.add_done_callback(self._forward_ended)
 
     def _build(self) -> None:
         """Set the torch threads, then build the runner (on the forward thread)."""
@@ -126,18 +132,23 @@ class Worker(Actor):
             num_cpu_blocks=self.runner.kv.num_cpu_blocks,
         )
 
-    def on_reset(self, message: Reset) -> None:
-        self.plans.put(message)
-
-    def on_step_plan(self, plan: StepPlan) -> None:
-        self.plans.put(plan)
-
-    def _forward_loop(self) -> None:
-        """The forward thread, until teardown's None: run each plan of the current epoch in
-        order and send its StepResult (on this thread's own socket to the Scheduler)."""
+    def _forward_loop(self, steps: zmq.Socket) -> None:
+        """The forward thread, until a Stop on its mailbox: run each plan of the current epoch
+        in order and send its StepResult (on this thread's own socket to the Scheduler)."""
+        decoder: Decoder[StepPlan | Reset | Stop] = Decoder(WorkerStepsInbox)
         results = self._connect("scheduler")
         try:
-            while (item := self.plans.get()) is not None:
+            while True:
+                data = steps.recv()
+                try:
+                    item = decoder.decode(data)
+                except DecodeError as exc:
+                    self.loop.call_soon_threadsafe(
+                        self.report_error, f"could not decode a {len(data)}-byte step: {exc}"
+                    )
+                    continue
+                if isinstance(item, Stop):
+                    return
                 if isinstance(item, Reset):
                     self.epoch = item.epoch
                     self.runner.forget_all()
@@ -147,6 +158,14 @@ class Worker(Actor):
                         results.send(encode(result), copy=False)
         finally:
             results.close()
+            steps.close(linger=0)
+
+    def _forward_ended(self, future: asyncio.Future) -> None:
+        """A forward thread that died (not by teardown's Stop) stops the Worker: the supervisor
+        then restarts it, where it would otherwise sit deaf to every plan."""
+        if not future.cancelled() and future.exception() is not None:
+            self.log.error("the forward thread failed", exc_info=future.exception())
+            self.request_stop()
 
     def _execute(self, plan: StepPlan) -> StepResult:
         try:
@@ -160,8 +179,9 @@ class Worker(Actor):
             )
 
     async def teardown(self) -> None:
-        self.plans.put(None)
-        await self.forward
+        if not self.forward.done():
+            self.send(WORKER_STEPS, Stop(reason="teardown"))  # after any plan already queued
+        await asyncio.wait([self.forward])
         self.executor.shutdown(wait=True)
 
 
