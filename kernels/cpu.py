@@ -203,7 +203,7 @@ class PanelWeight:
     def __init__(self, lib, weight: torch.Tensor):
         self._lib = lib
         self.out_features = weight.shape[0]
-        self._panels = native.pack_panels(lib, weight)
+        self.panels = native.pack_panels(lib, weight)
 
     @classmethod
     def for_weight(cls: type[_Packed], weight: torch.Tensor) -> _Packed | None:
@@ -225,7 +225,7 @@ class GreedyHead(PanelWeight):
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] fp32 -> [N] int64 token ids."""
-        return native.greedy_head(self._lib, self._rows(hidden), self._panels, self.out_features)
+        return native.greedy_head(self._lib, self._rows(hidden), self.panels, self.out_features)
 
 
 class PanelLinear(PanelWeight):
@@ -235,7 +235,7 @@ class PanelLinear(PanelWeight):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 -> [M, N]."""
-        return native.panel_linear(self._lib, self._rows(x), self._panels, self.out_features)
+        return native.panel_linear(self._lib, self._rows(x), self.panels, self.out_features)
 
 
 def store_kv(

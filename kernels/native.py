@@ -1,8 +1,9 @@
 """Build and load the CPU kernels in C, one library: kernels/cpu_decode.c (decode attention
 reading the paged cache directly), cpu_store_kv.c (writing this step's K/V into it), cpu_argmax.c
 (greedy sampling's argmax), cpu_panel_gemm.c (decode-sized products against weights packed in
-panels: the projections' Linear, and the LM head with that argmax fused) and cpu_elementwise.c
-(fused RMSNorm with its residual add, SiLU-and-multiply), with cpu_vec.h.
+panels: the projections' Linear, and the LM head with that argmax fused), cpu_elementwise.c
+(fused RMSNorm with its residual add, SiLU-and-multiply, RoPE) and cpu_decode_stack.c (a whole
+decode step through those kernels in one call), with cpu_vec.h and cpu_kernels.h.
 
 Built with the machine's C compiler on first use (under a second on gcc) into a per-user cache,
 named by a hash of the source, the flags, the compiler and the CPU, so a changed file or another
@@ -40,9 +41,10 @@ SOURCES = tuple(
         "cpu_panel_gemm.c",
         "cpu_elementwise.c",
         "cpu_store_kv.c",
+        "cpu_decode_stack.c",
     )
 )
-HEADERS = (HERE / "cpu_vec.h",)
+HEADERS = (HERE / "cpu_vec.h", HERE / "cpu_kernels.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm")
 CACHE_ENV = "ACTORSERVE_KERNEL_CACHE"
 
@@ -134,6 +136,8 @@ def load() -> ctypes.CDLL | None:
     lib.silu_mul.argtypes = [ptr, i64, i64, ptr]
     lib.rope.restype = None
     lib.rope.argtypes = [ptr] + [i64] * 5 + [ptr, ptr, ptr]
+    lib.decode_stack.restype = ctypes.c_int
+    lib.decode_stack.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
     return lib
 
 

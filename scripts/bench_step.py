@@ -9,7 +9,9 @@ wrapping its call in time.perf_counter (the C kernels are opaque to torch's prof
 attention, the LM head (with greedy sampling fused in, kernels/cpu_panel_gemm.c, where it
 serves), the projection GEMMs, the fused norms, RoPE, SiLU x up, store_kv, input preparation,
 sampling (where not fused); "rest" is the step less all of them (embedding, Python between ops,
-bookkeeping).
+bookkeeping). That breakdown needs the model's layer-by-layer path; as served, a step of decodes
+runs the whole decoder in one C call (kernels/cpu_decode_stack.c, the same kernels), so the step
+is then timed both ways, alternating blocks of steps, in the "served" table.
 
 The LM head and greedy sampling are then timed both ways on the same hidden states: fused, and
 as the GEMM (`compute_logits`) followed by the argmax over the logits (`argmax_rows`). The
@@ -122,6 +124,38 @@ def prefill(runner, prompts: list[list[int]], blocks: list[int], budget: int) ->
     return rids
 
 
+def served_both_ways(runner, rids: list[str], stack, warmup: int, steps: int) -> list[dict]:
+    """Mean ms of a decode step of every request through the decode stack (one C call, as
+    served; None where it does not serve) and layer by layer, in alternating blocks of up to 5
+    steps (the contexts grow as they go)."""
+    from actorserve.messages.step import RunningUpdate, StepPlan
+
+    ways = {"layer by layer": None, "decode stack (one C call, served)": stack}
+    if stack is None:
+        ways.popitem()
+    seconds = dict.fromkeys(ways, 0.0)
+    size = max(1, min(5, steps))
+    blocks = max(1, steps // size)
+    step_id = 10_000
+    for block in range(-1, blocks):
+        for name, way in ways.items():
+            runner.model.decode_stack = way
+            for _ in range(size if block >= 0 else warmup):
+                step_id += 1
+                plan = StepPlan(0, step_id, [], [RunningUpdate(rid, [], 1) for rid in rids], [])
+                start = time.perf_counter()
+                runner.execute(plan)
+                if block >= 0:
+                    seconds[name] += time.perf_counter() - start
+    runner.model.decode_stack = stack
+    timed = blocks * size
+    layered = seconds["layer by layer"]
+    return [
+        {"table": "served", "way": name, "ms": s / timed * 1e3, "speedup": layered / s}
+        for name, s in seconds.items()
+    ]
+
+
 def head_both_ways(model, rows: int, repeat: int) -> list[dict]:
     """Mean ms of the LM head and greedy sampling over `rows` hidden states: fused (None where it
     does not serve) and unfused, alternated so that both see the same machine."""
@@ -192,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         args.num_requests, args.seed, (16, args.max_prompt_len), (1, 1), vocab
     )
     prompts = [r.prompt_ids for r in workload]
-    runner, blocks = build(model_dir, prompts, args.warmup + args.steps)
+    runner, blocks = build(model_dir, prompts, 3 * (args.warmup + args.steps))
+    stack = runner.model.decode_stack
     if args.mkl_projections:
         from actorserve.actors.worker.models.llama import Projection
 
@@ -206,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with torch.inference_mode():
         rids = prefill(runner, prompts, blocks, runner.config.max_num_batched_tokens)
+        runner.model.decode_stack = None  # the ops one by one, for the timer
         kv_bytes_per_token = sum(k[0, 0].nbytes + v[0, 0].nbytes for k, v in runner.kv.layers)
         step_times, kv_bytes = [], []
         for i in range(args.warmup + args.steps):
@@ -230,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                  "share": 1.0, "p50_ms": bc.percentile(step_times, 50) * 1e3})  # fmt: skip
     timer.on = False
     with torch.inference_mode():
+        served_rows = served_both_ways(runner, rids, stack, args.warmup, args.steps)
         head_rows = head_both_ways(runner.model, args.num_requests, args.steps)
     attention_s = timer.seconds["decode attention"] / args.steps
     mean_kv = statistics.fmean(kv_bytes)
@@ -270,6 +307,17 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         bc.format_table(
+            served_rows,
+            [
+                bc.Column("way", "decode step"),
+                bc.Column("ms", "ms", "{:.2f}"),
+                bc.Column("speedup", "x layer by layer", "{:.2f}"),
+            ],
+        )
+    )
+    print()
+    print(
+        bc.format_table(
             head_rows,
             [
                 bc.Column("way", "LM head + greedy sampling"),
@@ -280,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(f"\nMachine: {bc.machine_line(threads)}.")
-    bc.write_json(args.json, rows + [kv_row] + head_rows)
+    bc.write_json(args.json, rows + [kv_row] + served_rows + head_rows)
     return 0
 
 

@@ -34,6 +34,9 @@ def test_bench_step_times_every_op_once_and_within_the_step(llama_dir, tmp_path)
     assert 0 <= ops["rest (embedding, Python between ops)"]["ms"] < ops["step (4 decodes)"]["ms"]
     (kv,) = [r for r in rows if r["table"] == "kv"]
     assert kv["kv_mb_per_step"] > 0 and kv["attention_gb_s"] > 0
+    served = {r["way"]: r for r in rows if r["table"] == "served"}
+    assert set(served) == {"layer by layer", "decode stack (one C call, served)"}
+    assert all(r["ms"] > 0 for r in served.values())
     heads = {r["way"]: r for r in rows if r["table"] == "head"}
     assert set(heads) == {"fused (cpu_panel_gemm.c)", "GEMM + argmax_rows"}
     assert all(r["ms"] > 0 and r["rows"] == 4 for r in heads.values())

@@ -99,6 +99,13 @@ class PagedCache:
     @torch.no_grad()
     def step(self, chunks: dict[str, list[int]]) -> dict[str, torch.Tensor]:
         """Run one step over {seq: new token ids}; returns {seq: logits [len(ids), vocab]}."""
+        hidden = self.model(*self.inputs(chunks))
+        logits = self.model.compute_logits(hidden).cpu()
+        assert logits.dtype == torch.float32
+        return dict(zip(chunks, logits.split([len(t) for t in chunks.values()]), strict=True))
+
+    def inputs(self, chunks: dict[str, list[int]]):
+        """The model's arguments for a step over {seq: new token ids} (taking their blocks)."""
         ids, positions, slots, starts, seq_lens = [], [], [], [0], []
         for seq, tokens in chunks.items():
             start = self.lens.get(seq, 0)
@@ -123,10 +130,7 @@ class PagedCache:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, **dev),
         )
         input_ids, positions = torch.tensor(ids, **dev), torch.tensor(positions, **dev)
-        hidden = self.model(input_ids, positions, self.kv, meta)
-        logits = self.model.compute_logits(hidden).cpu()
-        assert logits.dtype == torch.float32
-        return dict(zip(chunks, logits.split([len(t) for t in chunks.values()]), strict=True))
+        return input_ids, positions, self.kv, meta
 
 
 @torch.no_grad()
@@ -163,13 +167,18 @@ def test_batched_prefill_matches_hf(models):
         assert_close(out[seq], hf_logits(hf, prompt))
 
 
-def check_chunked_prefill_then_decode(hf, ours, config, device: str = "cpu") -> None:
-    """Seq a prefills in two chunks while seq b, prefilled whole, is already decoding."""
+def check_chunked_prefill_then_decode(
+    hf, ours, config, device: str = "cpu", decode_stack: bool = False
+) -> None:
+    """Seq a prefills in two chunks while seq b, prefilled whole, is already decoding (with
+    `decode_stack`, the model packs its decode stack over the cache: steps 3 on use it)."""
     steps = 6
     prompts = {"a": random_prompt(29, 4), "b": random_prompt(11, 5)}
     full = {seq: p + hf_greedy(hf, p, steps + 1) for seq, p in prompts.items()}
     ref = {seq: hf_logits(hf, tokens) for seq, tokens in full.items()}
     cache = PagedCache(ours, config, seed=1, device=device)
+    if decode_stack:
+        ours.pack_decode_stack_for_cpu(cache.kv)
     got: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
     schedule = [{"a": (0, 13), "b": (0, 11)}, {"a": (13, 29), "b": (11, 12)}]
     schedule += [{"a": (29 + i, 30 + i), "b": (12 + i, 13 + i)} for i in range(steps - 1)]
@@ -311,3 +320,63 @@ def test_projections_on_packed_panels_match_hf(models):
     assert any(m.panel is not None for m in projections), "no projection got its panels"
     assert all(m.panel is None for m in projections if m.bias is not None)  # biased: MKL
     check_chunked_prefill_then_decode(hf, packed, config)
+
+
+def packed_for_cpu(path: Path) -> tuple[CausalLM, ModelConfig]:
+    """Our model with the `cpu` kernels, its weights laid out and packed as the ModelRunner does."""
+    model, config = load_model(path, "cpu", torch.float32, attention_ops("cpu"))
+    model.use_column_major_weights()
+    model.pack_projections_for_cpu()
+    return model, config
+
+
+def serves_decode_stack(config: ModelConfig) -> bool:
+    """The one-call decode stack covers the kinds without biases or q/k norm."""
+    return not (config.qkv_bias or config.o_bias or config.qk_norm)
+
+
+def kv_tensors(cache: PagedCache) -> list[torch.Tensor]:
+    return [t for layer in cache.kv for t in layer]
+
+
+@torch.no_grad()
+def test_the_decode_stack_gives_the_layer_by_layer_path_to_the_bit(models):
+    """A step of decodes alone runs the whole decoder in one C call (kernels/cpu_decode_stack.c):
+    the same hidden states and the same K/V written as the layer-by-layer path, bit for bit."""
+    _, _, _, path = models
+    model, config = packed_for_cpu(path)
+    cache = PagedCache(model, config, num_blocks=40, seed=2)
+    assert model.pack_decode_stack_for_cpu(cache.kv) == serves_decode_stack(config)
+    if model.decode_stack is None:
+        return  # biases or q/k norm: every step keeps the layer-by-layer path
+    lengths = {"a": 5, "b": 19, "c": 37, "d": 64}
+    cache.step({seq: random_prompt(n, i) for i, (seq, n) in enumerate(lengths.items())})
+    for i in range(3):
+        args = cache.inputs({seq: [100 + i] for seq in lengths})
+        stacked = model(*args)
+        written = [t.clone() for t in kv_tensors(cache)]
+        stack, model.decode_stack = model.decode_stack, None
+        layered = model(*args)  # writes the same slots again
+        model.decode_stack = stack
+        assert torch.equal(stacked, layered)
+        assert all(torch.equal(a, b) for a, b in zip(written, kv_tensors(cache)))
+
+
+def test_the_decode_stack_matches_hf(models):
+    """The chunked prefill then decode schedule with its decode steps through the stack."""
+    hf, _, _, path = models
+    model, config = packed_for_cpu(path)
+    check_chunked_prefill_then_decode(hf, model, config, decode_stack=True)
+    assert (model.decode_stack is not None) == serves_decode_stack(config)
+
+
+def test_the_decode_stack_refuses_a_slot_or_position_past_its_tables(checkpoint):
+    model, config = packed_for_cpu(checkpoint("tiny-llama"))
+    cache = PagedCache(model, config, num_blocks=4)
+    assert model.pack_decode_stack_for_cpu(cache.kv)
+    input_ids, positions, kv, meta = cache.inputs({"a": [7]})
+    with pytest.raises(IndexError, match="past the KV cache"):
+        model(input_ids, positions, kv, meta._replace(slot_mapping=torch.tensor([4 * BLOCK_SIZE])))
+    beyond = torch.tensor([config.max_position_embeddings])
+    with pytest.raises(IndexError, match="past the rope tables"):
+        model(input_ids, beyond, kv, meta)

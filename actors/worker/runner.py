@@ -57,6 +57,7 @@ class ModelRunner:
             model.use_column_major_weights()  # faster small-batch GEMMs on CPU
             model.pack_projections_for_cpu()
             model.pack_lm_head_for_cpu()
+            model.pack_decode_stack_for_cpu(kv.layers)
         self.kv = kv
         self.kv_caches = kv.layers
         self.device = device

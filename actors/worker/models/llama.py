@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actorserve.kernels import AttentionOps
+from actorserve.kernels import AttentionOps, native
 from actorserve.kernels.cpu import GreedyHead, PanelLinear
+from actorserve.kernels.decode_stack import DecodeStack, StackLayer, StackShape
 from actorserve.kernels.elementwise import rms_norm, rope, silu_mul
 
 from .config import ModelConfig, RopeScaling
@@ -173,9 +174,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Projection(
-            config.hidden_size, 2 * config.intermediate_size, bias=False
-        )
+        self.gate_up_proj = Projection(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Projection(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -233,6 +232,7 @@ class CausalLM(nn.Module):
         )
         self._packed_lm_head: torch.Tensor | None = None  # see pack_lm_head_for_cpu
         self._greedy_head: GreedyHead | None = None
+        self.decode_stack: DecodeStack | None = None  # see pack_decode_stack_for_cpu
 
     def forward(
         self,
@@ -244,7 +244,14 @@ class CausalLM(nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden] after the final norm.
 
         kv_caches[layer] = (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, D].
+        A step of decodes alone (one token per sequence, at most PANEL_ROWS) goes through the
+        decode stack in one call where it was packed, with the same result.
         """
+        T = input_ids.shape[0]
+        if self.decode_stack is not None and T == meta.seq_lens.shape[0] and T <= PANEL_ROWS:
+            hidden = self.decode_stack(input_ids, positions, *meta)
+            if hidden is not None:
+                return hidden
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary(positions, h.dtype)
         residual = None
@@ -268,6 +275,50 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Projection):
                 module.pack_for_cpu()
+
+    def pack_decode_stack_for_cpu(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Let decode steps run the whole decoder in one C call (kernels.decode_stack), over these
+        KV caches. Only after pack_projections_for_cpu, with the `cpu` attention backend, where
+        every projection has its panels (no biases) and there is no q/k norm; else nothing
+        changes. Returns whether it serves."""
+        attentions = [layer.self_attn for layer in self.model.layers]
+        lib = native.load()
+        if lib is None or any(
+            a.ops.name != "cpu"
+            or a.q_norm is not None
+            or any(p.panel is None for p in (a.qkv_proj, a.o_proj))
+            for a in attentions
+        ):
+            return False
+        mlps = [layer.mlp for layer in self.model.layers]
+        if any(p.panel is None for m in mlps for p in (m.gate_up_proj, m.down_proj)):
+            return False
+        c = self.config
+        shape = StackShape(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+            c.rms_norm_eps, attentions[0].scale,
+        )  # fmt: skip
+        layers = [
+            StackLayer(
+                layer.input_layernorm.weight.data,
+                layer.post_attention_layernorm.weight.data,
+                layer.self_attn.qkv_proj.panel.panels,
+                layer.self_attn.o_proj.panel.panels,
+                layer.mlp.gate_up_proj.panel.panels,
+                layer.mlp.down_proj.panel.panels,
+                *kv_cache,
+            )
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True)
+        ]
+        embed = self.model.embed_tokens.weight.data
+        tables = (self.rotary.cos, self.rotary.sin)
+        try:
+            self.decode_stack = DecodeStack(
+                lib, shape, embed, tables, self.model.norm.weight.data, layers
+            )
+        except ValueError:  # a tensor not fp32 or not contiguous
+            return False
+        return True
 
     def pack_lm_head_for_cpu(self) -> bool:
         """Keep packed copies of the LM head weight for the CPU (fp32; elsewhere nothing changes):
