@@ -33,7 +33,7 @@ typedef struct {
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int64_t num_blocks, block_size, max_position;
+    int64_t num_blocks, block_size, max_position, vocab;
     float eps, scale;
     const float *embed;      /* [vocab, hidden] */
     const float *cos, *sin;  /* [max_position, D] rope tables (RotaryEmbedding's layout) */
@@ -44,7 +44,8 @@ typedef struct {
 /* ids, positions, slots [T] int64; block_tables [T, table_stride], seq_lens [T], query_start_loc
  * [T + 1] int32 (one token per sequence); hidden [T, hidden] out.
  * Returns 0; -1 when a scratch buffer could not be allocated; -2 when a slot lies past the cache;
- * -3 for a position past the rope tables. On an error `hidden` and the cache are incomplete. */
+ * -3 for a position past the rope tables; -4 for a token id past the vocabulary. On an error
+ * `hidden` and the cache are incomplete. */
 int decode_stack(const stack_model *m, int64_t tokens, const int64_t *ids,
                  const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
                  int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
@@ -52,8 +53,10 @@ int decode_stack(const stack_model *m, int64_t tokens, const int64_t *ids,
     const int64_t T = tokens, H = m->hidden, D = m->head_dim;
     const int64_t hq = m->num_heads, hkv = m->num_kv_heads, I = m->intermediate;
     const int64_t qkv_width = (hq + 2 * hkv) * D, rot_width = (hq + hkv) * D;
-    for (int64_t t = 0; t < T; t++)
+    for (int64_t t = 0; t < T; t++) {
         if (positions[t] < 0 || positions[t] >= m->max_position) return -3;
+        if (ids[t] < 0 || ids[t] >= m->vocab) return -4;
+    }
     const int64_t sizes[] = {T * H, T * H, T * H, T * qkv_width, T * rot_width,
                              T * hq * D, T * hq * D, T * 2 * I, T * I, T * D, T * D};
     int64_t total = 0;

@@ -31,7 +31,7 @@ class _Model(ctypes.Structure):
     _fields_ = [
         *((name, _i64) for name in (
             "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
-            "num_blocks", "block_size", "max_position",
+            "num_blocks", "block_size", "max_position", "vocab",
         )),
         ("eps", _f32),
         ("scale", _f32),
@@ -71,6 +71,7 @@ _ERRORS = {
     -1: (MemoryError, "the decode stack could not allocate its scratch buffers"),
     -2: (IndexError, "store_kv: a slot lies past the KV cache"),
     -3: (IndexError, "a position lies past the rope tables"),
+    -4: (IndexError, "a token id lies past the vocabulary"),
 }
 
 
@@ -98,7 +99,7 @@ class DecodeStack:
         self._model = _Model(
             len(layers), shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim,
             shape.intermediate, k_cache.shape[0], k_cache.shape[1], rope_tables[0].shape[0],
-            shape.eps, shape.scale, embed.data_ptr(), rope_tables[0].data_ptr(),
+            embed.shape[0], shape.eps, shape.scale, embed.data_ptr(), rope_tables[0].data_ptr(),
             rope_tables[1].data_ptr(), final_norm.data_ptr(), self._layers,
         )  # fmt: skip
         self._hidden = shape.hidden

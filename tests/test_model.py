@@ -370,7 +370,7 @@ def test_the_decode_stack_matches_hf(models):
     assert (model.decode_stack is not None) == serves_decode_stack(config)
 
 
-def test_the_decode_stack_refuses_a_slot_or_position_past_its_tables(checkpoint):
+def test_the_decode_stack_refuses_a_slot_position_or_token_past_its_tables(checkpoint):
     model, config = packed_for_cpu(checkpoint("tiny-llama"))
     cache = PagedCache(model, config, num_blocks=4)
     assert model.pack_decode_stack_for_cpu(cache.kv)
@@ -380,3 +380,5 @@ def test_the_decode_stack_refuses_a_slot_or_position_past_its_tables(checkpoint)
     beyond = torch.tensor([config.max_position_embeddings])
     with pytest.raises(IndexError, match="past the rope tables"):
         model(input_ids, beyond, kv, meta)
+    with pytest.raises(IndexError, match="past the vocabulary"):
+        model(torch.tensor([config.vocab_size]), positions, kv, meta)

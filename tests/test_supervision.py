@@ -107,7 +107,7 @@ def test_whole_completions_held_by_a_killed_scheduler_are_recomputed_and_equal_f
     async def run():
         async with AsyncClient(engine.address, timeout_s=120) as client:
             tasks = [asyncio.create_task(client.complete_all(p, params)) for p in prompts]
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.05)  # while they run (the six take about a third of a second)
             done_before = sum(task.done() for task in tasks)
             await asyncio.to_thread(os.kill, actor_pid(engine, "scheduler"), signal.SIGKILL)
             return done_before, await asyncio.gather(*tasks)
@@ -158,15 +158,19 @@ def test_a_failed_allocation_restarts_the_block_manager_and_no_request_is_lost(l
         async def run():
             async with AsyncClient(supervisor.client_address, timeout_s=120) as client:
                 tasks = [asyncio.create_task(client.complete_all(p, params)) for p in prompts]
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(0.05)  # while they run (a quarter of a second in all)
                 # blocks for a running request the BlockManager never heard of: the pool raises
                 ghost = AllocateStep(0, 999, [BlockNeed("ghost", 5, 1, False, [])], 0)
                 send_to_mailbox(supervisor, "block_manager", encode(ghost))
                 return await asyncio.gather(*tasks)
 
         results = asyncio.run(run())
-        (blocks,) = [s for s in supervisor.statuses() if s.name == "block_manager"]
-        assert blocks.restarts == 1 and blocks.state == "ready"
+
+        def block_manager():
+            return next(s for s in supervisor.statuses() if s.name == "block_manager")
+
+        wait_until(lambda: block_manager().restarts == 1, 10, "the BlockManager's restart")
+        wait_until(lambda: block_manager().state == "ready", 10, "the BlockManager ready again")
     for prompt, (whole,) in zip(prompts, results):
         assert whole.token_ids == hf_greedy(llama_dir, prompt, 256)
 
@@ -267,7 +271,7 @@ def test_sigterm_finishes_in_flight_streams_refuses_new_ones_and_exits_zero(llam
     server = EngineServer(llama_dir)
     prompts = prompts_of_lengths(llama_dir, [20, 60, 100])
     # Long enough that the three streams are still running when the new request arrives.
-    params = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
 
     async def run():
         async with AsyncClient(server.address, timeout_s=60) as client:
@@ -285,7 +289,7 @@ def test_sigterm_finishes_in_flight_streams_refuses_new_ones_and_exits_zero(llam
 
     try:
         outputs, code = asyncio.run(run())
-        assert [len(o) for o in outputs] == [600, 600, 600] and code == "unavailable"
+        assert [len(o) for o in outputs] == [1500] * 3 and code == "unavailable"
         assert server.proc.wait(60) == 0
     finally:
         server.stop()
