@@ -235,9 +235,11 @@ class ModelRunner:
         rows = inputs.sample_rows
         if not rows:
             return [], [], forwarded
-        sampled = hidden.index_select(0, inputs.sample_index)
+        every_row = len(rows) == hidden.shape[0]  # the rows that sample are 0, 1, ..., T - 1
+        sampled = hidden if every_row else hidden.index_select(0, inputs.sample_index)
         plain = [i for i, row in enumerate(rows) if is_plain_greedy(row)]
-        fused = self.model.greedy_tokens(sampled[plain]) if plain else None
+        plain_rows = sampled if len(plain) == len(rows) else sampled[plain]
+        fused = self.model.greedy_tokens(plain_rows) if plain else None
         if fused is None:  # no plain row, or no fused head on this device
             plain = []
         taken = set(plain)
