@@ -3,7 +3,8 @@ reading the paged cache directly), cpu_store_kv.c (writing this step's K/V into 
 (greedy sampling's argmax), cpu_panel_gemm.c (decode-sized products against weights packed in
 panels: the projections' Linear, and the LM head with that argmax fused), cpu_elementwise.c
 (fused RMSNorm with its residual add, SiLU-and-multiply, RoPE) and cpu_decode_stack.c (a whole
-decode step through those kernels in one call), with cpu_vec.h and cpu_kernels.h.
+decode step through those kernels in one call; cpu_step_inputs.c, a decode step's flat inputs),
+with cpu_vec.h and cpu_kernels.h.
 
 Built with the machine's C compiler on first use (under a second on gcc) into a per-user cache,
 named by a hash of the source, the flags, the compiler and the CPU, so a changed file or another
@@ -28,6 +29,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ SOURCES = tuple(
         "cpu_elementwise.c",
         "cpu_store_kv.c",
         "cpu_decode_stack.c",
+        "cpu_step_inputs.c",
     )
 )
 HEADERS = (HERE / "cpu_vec.h", HERE / "cpu_kernels.h")
@@ -138,6 +141,8 @@ def load() -> ctypes.CDLL | None:
     lib.rope.argtypes = [ptr] + [i64] * 5 + [ptr, ptr, ptr]
     lib.decode_stack.restype = ctypes.c_int
     lib.decode_stack.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+    lib.decode_inputs.restype = i64
+    lib.decode_inputs.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]
     return lib
 
 
@@ -316,3 +321,24 @@ def store_kv(
     )
     if status != 0:
         raise IndexError(f"store_kv: a slot lies past the cache's {k_cache.shape[0]} blocks")
+
+
+def decode_inputs(
+    lib: ctypes.CDLL, requests: np.ndarray, table: np.ndarray, block_size: int
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A step of decodes' flat inputs (see cpu_step_inputs.c): requests [n, 3] int64 (tokens
+    computed, blocks held, block table row), table [rows, columns] int32 C-contiguous ->
+    (status, positions [n] int64, slots [n] int64, tables [n, width] int32, seq_lens [n] int32,
+    query_start_loc [n + 1] int32); status < 0: request -1 - status lies past its blocks."""
+    n = requests.shape[0]
+    columns = table.shape[1]
+    out64 = np.empty(2 * n, dtype=np.int64)
+    out32 = np.empty(n * columns + 2 * n + 1, dtype=np.int32)
+    p64, p32 = out64.ctypes.data, out32.ctypes.data
+    status = lib.decode_inputs(
+        requests.ctypes.data, n, table.ctypes.data, columns, block_size, p64, p64 + 8 * n,
+        p32, columns, p32 + 4 * n * columns, p32 + 4 * (n * columns + n),
+    )  # fmt: skip
+    tables = out32[: n * columns].reshape(n, columns)[:, : max(status, 0)]
+    seq_lens = out32[n * columns : n * columns + n]
+    return status, out64[:n], out64[n:], tables, seq_lens, out32[n * columns + n :]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...kernels import native
 from ...messages.step import NewRequest, StepPlan, StepResult
 from ..config import EngineConfig
 from ..step_trace import open_trace
@@ -65,6 +66,7 @@ class ModelRunner:
         self.eos_token_ids = config.facts.eos_token_ids
         self.requests: dict[str, CachedRequest] = {}
         self.block_tables = BlockTables(max(1, config.max_num_seqs))
+        self.native = native.load() if device.type == "cpu" else None  # decode inputs in C
         self.sampler = Sampler(config.seed)
         self.prompt_logprobs = PromptLogprobsTracker()  # requests owing prompt logprobs
         cuda = device.type == "cuda"
@@ -116,10 +118,13 @@ class ModelRunner:
         self.block_tables.clear()
 
     def prepare(self, scheduled: list[tuple[str, int]]) -> StepInputs:
-        """Flat inputs for the step, vectorized over requests (numpy), one request after another."""
+        """Flat inputs for the step, vectorized over requests (numpy), one request after another;
+        a step of decodes alone in one C call where the machine has the CPU kernels."""
         bs = self.block_size
         n = len(scheduled)
         reqs = [self.requests[rid] for rid, _ in scheduled]
+        if self.native is not None and all(count == 1 for _, count in scheduled):
+            return self._prepare_decodes(scheduled, reqs)
         counts = np.fromiter((count for _, count in scheduled), np.int64, n)
         starts = np.fromiter((r.num_computed for r in reqs), np.int64, n)
         ends = starts + counts
@@ -171,6 +176,44 @@ class ModelRunner:
         )
         return StepInputs(
             dev["input_ids"], dev["positions"], meta, dev["sample_index"], sample_ids, sample_rows
+        )
+
+    def _prepare_decodes(self, scheduled, reqs: list[CachedRequest]) -> StepInputs:
+        """prepare() for one token per request: the numbers in kernels/cpu_step_inputs.c (a
+        dozen fewer numpy calls, each slow on the caches the last step streamed through)."""
+        n = len(reqs)
+        numbers = np.fromiter(
+            (x for r in reqs for x in (r.num_computed, r.num_blocks, r.row)), np.int64, 3 * n
+        ).reshape(n, 3)
+        status, positions, slots, tables, seq_lens, query_start = native.decode_inputs(
+            self.native, numbers, self.block_tables.table, self.block_size
+        )
+        if status < 0:
+            b = -1 - status
+            raise ValueError(
+                f"request {scheduled[b][0]} computes up to token {int(numbers[b, 0]) + 1} but "
+                f"holds {int(numbers[b, 1])} blocks of {self.block_size}"
+            )
+        ids, sample_ids, sample_rows, sampling = [], [], [], []
+        for i, r in enumerate(reqs):
+            end = r.num_computed + 1
+            ids.append(r.token_ids[end - 1])
+            if end == len(r.token_ids):  # its last token: it samples
+                sampling.append(i)
+                sample_ids.append(scheduled[i][0])
+                row = r.sample_row
+                row.position, row.num_output = end, end - r.num_prompt_tokens
+                sample_rows.append(row)
+        meta = AttentionMetadata(
+            torch.from_numpy(slots),
+            torch.from_numpy(tables),
+            torch.from_numpy(seq_lens),
+            torch.from_numpy(query_start),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        sample_index = torch.tensor(sampling, dtype=torch.long)
+        return StepInputs(
+            input_ids, torch.from_numpy(positions), meta, sample_index, sample_ids, sample_rows
         )
 
     def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
