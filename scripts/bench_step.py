@@ -277,56 +277,26 @@ def main(argv: list[str] | None = None) -> int:
         "streaming_read_gb_s": streaming_read_gb_s(int(mean_kv)),
     }
     label = bc.model_label(args.model)
-    print()
-    print(
-        bc.format_table(
-            rows,
-            [
-                bc.Column("op", "op"),
-                bc.Column("ms", "ms / step", "{:.2f}"),
-                bc.Column("share", "share of step", "{:.1%}"),
-            ],
-            title=f"The Worker's decode step alone, {label}, {args.num_requests} requests "
-            f"(mean of {args.steps} steps after {args.warmup}; p50 step "
-            f"{rows[-1]['p50_ms']:.2f} ms):",
-        )
+    title = (
+        f"The Worker's decode step alone, {label}, {args.num_requests} requests (mean of "
+        f"{args.steps} steps after {args.warmup}; p50 step {rows[-1]['p50_ms']:.2f} ms):"
     )
-    print()
-    print(
-        bc.format_table(
-            [kv_row],
-            [
-                bc.Column("kv_mb_per_step", "K/V read a step (MB)", "{:.1f}"),
-                bc.Column("attention_gb_s", "decode attention GB/s", "{:.1f}"),
-                bc.Column(
-                    "streaming_read_gb_s", "reading as many bytes from memory, GB/s", "{:.1f}"
-                ),
-            ],
-        )
-    )
-    print()
-    print(
-        bc.format_table(
-            served_rows,
-            [
-                bc.Column("way", "decode step"),
-                bc.Column("ms", "ms", "{:.2f}"),
-                bc.Column("speedup", "x layer by layer", "{:.2f}"),
-            ],
-        )
-    )
-    print()
-    print(
-        bc.format_table(
-            head_rows,
-            [
-                bc.Column("way", "LM head + greedy sampling"),
-                bc.Column("rows", "rows"),
-                bc.Column("ms", "ms", "{:.2f}"),
-                bc.Column("speedup", "x unfused", "{:.2f}"),
-            ],
-        )
-    )
+    ms = bc.Column("ms", "ms", "{:.2f}")
+    tables = [
+        (rows, [bc.Column("op", "op"), bc.Column("ms", "ms / step", "{:.2f}"),
+                bc.Column("share", "share of step", "{:.1%}")], title),
+        ([kv_row], [bc.Column("kv_mb_per_step", "K/V read a step (MB)", "{:.1f}"),
+                    bc.Column("attention_gb_s", "decode attention GB/s", "{:.1f}"),
+                    bc.Column("streaming_read_gb_s", "reading as many bytes from memory, GB/s",
+                              "{:.1f}")], ""),
+        (served_rows, [bc.Column("way", "decode step"), ms,
+                       bc.Column("speedup", "x layer by layer", "{:.2f}")], ""),
+        (head_rows, [bc.Column("way", "LM head + greedy sampling"), bc.Column("rows", "rows"), ms,
+                     bc.Column("speedup", "x unfused", "{:.2f}")], ""),
+    ]  # fmt: skip
+    for table_rows, columns, table_title in tables:
+        print()
+        print(bc.format_table(table_rows, columns, title=table_title))
     print(f"\nMachine: {bc.machine_line(threads)}.")
     bc.write_json(args.json, rows + [kv_row] + served_rows + head_rows)
     return 0

@@ -370,6 +370,17 @@ def test_the_decode_stack_matches_hf(models):
     assert (model.decode_stack is not None) == serves_decode_stack(config)
 
 
+@torch.no_grad()
+def test_the_decode_stack_serves_only_the_caches_it_was_packed_over(checkpoint):
+    model, config = packed_for_cpu(checkpoint("tiny-llama"))
+    packed, other = PagedCache(model, config, seed=3), PagedCache(model, config, seed=4)
+    assert model.pack_decode_stack_for_cpu(packed.kv)
+    prompt = random_prompt(21, 5)
+    first = {seq: cache.step({"a": prompt})["a"] for seq, cache in (("p", packed), ("o", other))}
+    decoded = {name: cache.step({"a": [9]})["a"] for name, cache in (("p", packed), ("o", other))}
+    assert torch.equal(first["p"], first["o"]) and torch.equal(decoded["p"], decoded["o"])
+
+
 def test_the_decode_stack_refuses_a_slot_position_or_token_past_its_tables(checkpoint):
     model, config = packed_for_cpu(checkpoint("tiny-llama"))
     cache = PagedCache(model, config, num_blocks=4)

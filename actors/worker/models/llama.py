@@ -233,6 +233,7 @@ class CausalLM(nn.Module):
         self._packed_lm_head: torch.Tensor | None = None  # see pack_lm_head_for_cpu
         self._greedy_head: GreedyHead | None = None
         self.decode_stack: DecodeStack | None = None  # see pack_decode_stack_for_cpu
+        self._stack_kv_caches: list | None = None  # the caches the decode stack writes
 
     def forward(
         self,
@@ -245,10 +246,11 @@ class CausalLM(nn.Module):
 
         kv_caches[layer] = (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, D].
         A step of decodes alone (one token per sequence, at most PANEL_ROWS) goes through the
-        decode stack in one call where it was packed, with the same result.
+        decode stack in one call where it was packed over these caches, with the same result.
         """
         T = input_ids.shape[0]
-        if self.decode_stack is not None and T == meta.seq_lens.shape[0] and T <= PANEL_ROWS:
+        stack = self.decode_stack is not None and kv_caches is self._stack_kv_caches
+        if stack and T == meta.seq_lens.shape[0] and T <= PANEL_ROWS:
             hidden = self.decode_stack(input_ids, positions, *meta)
             if hidden is not None:
                 return hidden
@@ -318,6 +320,7 @@ class CausalLM(nn.Module):
             )
         except ValueError:  # a tensor not fp32 or not contiguous
             return False
+        self._stack_kv_caches = kv_caches
         return True
 
     def pack_lm_head_for_cpu(self) -> bool:
