@@ -134,10 +134,7 @@ class ModelRunner:
         num_blocks = np.fromiter((r.num_blocks for r in reqs), np.int64, n)
         if bool((ends > num_blocks * bs).any()):
             b = int(np.flatnonzero(ends > num_blocks * bs)[0])
-            raise ValueError(
-                f"request {scheduled[b][0]} computes up to token {int(ends[b])} but holds "
-                f"{int(num_blocks[b])} blocks of {bs}"
-            )
+            raise self._past_blocks(scheduled[b][0], int(ends[b]), int(num_blocks[b]))
         table_rows = np.fromiter((r.row for r in reqs), np.int64, n)
         tables = self.block_tables.gather(table_rows, int(num_blocks.max()))
         if total == n:  # decodes only: one token each
@@ -154,13 +151,9 @@ class ModelRunner:
         slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         lengths = np.fromiter((len(r.token_ids) for r in reqs), np.int64, n)
         sampling = np.flatnonzero(ends == lengths)  # requests that reach their last token
-        sample_ids, sample_rows = [], []
-        for i, end in zip(sampling.tolist(), ends[sampling].tolist()):
-            r = reqs[i]
-            sample_ids.append(scheduled[i][0])
-            row = r.sample_row
-            row.position, row.num_output = end, end - r.num_prompt_tokens
-            sample_rows.append(row)
+        sample_ids, sample_rows = self._sample_rows(
+            scheduled, reqs, zip(sampling.tolist(), ends[sampling].tolist())
+        )
         host = {
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "positions": torch.from_numpy(positions),
@@ -190,20 +183,15 @@ class ModelRunner:
         )
         if status < 0:
             b = -1 - status
-            raise ValueError(
-                f"request {scheduled[b][0]} computes up to token {int(numbers[b, 0]) + 1} but "
-                f"holds {int(numbers[b, 1])} blocks of {self.block_size}"
-            )
-        ids, sample_ids, sample_rows, sampling = [], [], [], []
+            raise self._past_blocks(scheduled[b][0], int(numbers[b, 0]) + 1, int(numbers[b, 1]))
+        ids, samples = [], []
         for i, r in enumerate(reqs):
             end = r.num_computed + 1
             ids.append(r.token_ids[end - 1])
             if end == len(r.token_ids):  # its last token: it samples
-                sampling.append(i)
-                sample_ids.append(scheduled[i][0])
-                row = r.sample_row
-                row.position, row.num_output = end, end - r.num_prompt_tokens
-                sample_rows.append(row)
+                samples.append((i, end))
+        sample_ids, sample_rows = self._sample_rows(scheduled, reqs, samples)
+        sampling = [i for i, _ in samples]
         meta = AttentionMetadata(
             torch.from_numpy(slots),
             torch.from_numpy(tables),
@@ -215,6 +203,25 @@ class ModelRunner:
         return StepInputs(
             input_ids, torch.from_numpy(positions), meta, sample_index, sample_ids, sample_rows
         )
+
+    def _past_blocks(self, request_id: str, end: int, num_blocks: int) -> ValueError:
+        return ValueError(
+            f"request {request_id} computes up to token {end} but holds {num_blocks} blocks "
+            f"of {self.block_size}"
+        )
+
+    @staticmethod
+    def _sample_rows(scheduled, reqs: list[CachedRequest], samples) -> tuple[list, list]:
+        """For each (index, end) in `samples`, request `index` reaches its last token at `end`:
+        -> their ids and SampleRows, each set to sample position `end`."""
+        sample_ids, sample_rows = [], []
+        for i, end in samples:
+            r = reqs[i]
+            sample_ids.append(scheduled[i][0])
+            row = r.sample_row
+            row.position, row.num_output = end, end - r.num_prompt_tokens
+            sample_rows.append(row)
+        return sample_ids, sample_rows
 
     def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """CPU: as is. CUDA: pinned buffers copied on the copy stream; compute waits on an event."""

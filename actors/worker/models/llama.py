@@ -248,9 +248,8 @@ class CausalLM(nn.Module):
         A step of decodes alone (one token per sequence, at most PANEL_ROWS) goes through the
         decode stack in one call where it was packed over these caches, with the same result.
         """
-        T = input_ids.shape[0]
         stack = self.decode_stack is not None and kv_caches is self._stack_kv_caches
-        if stack and T == meta.seq_lens.shape[0] and T <= PANEL_ROWS:
+        if stack and input_ids.shape[0] <= PANEL_ROWS:  # the stack checks one token a sequence
             hidden = self.decode_stack(input_ids, positions, *meta)
             if hidden is not None:
                 return hidden
@@ -284,16 +283,13 @@ class CausalLM(nn.Module):
         every projection has its panels (no biases) and there is no q/k norm; else nothing
         changes. Returns whether it serves."""
         attentions = [layer.self_attn for layer in self.model.layers]
+        projections = [m for m in self.modules() if isinstance(m, Projection)]
         lib = native.load()
-        if lib is None or any(
-            a.ops.name != "cpu"
-            or a.q_norm is not None
-            or any(p.panel is None for p in (a.qkv_proj, a.o_proj))
-            for a in attentions
+        if (
+            lib is None
+            or any(a.ops.name != "cpu" or a.q_norm is not None for a in attentions)
+            or any(p.panel is None for p in projections)
         ):
-            return False
-        mlps = [layer.mlp for layer in self.model.layers]
-        if any(p.panel is None for m in mlps for p in (m.gate_up_proj, m.down_proj)):
             return False
         c = self.config
         shape = StackShape(
