@@ -142,7 +142,7 @@ def load() -> ctypes.CDLL | None:
     lib.decode_stack.restype = ctypes.c_int
     lib.decode_stack.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
     lib.decode_inputs.restype = i64
-    lib.decode_inputs.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr]
+    lib.decode_inputs.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr]
     return lib
 
 
@@ -325,20 +325,22 @@ def store_kv(
 
 def decode_inputs(
     lib: ctypes.CDLL, requests: np.ndarray, table: np.ndarray, block_size: int
-) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A step of decodes' flat inputs (see cpu_step_inputs.c): requests [n, 3] int64 (tokens
-    computed, blocks held, block table row), table [rows, columns] int32 C-contiguous ->
-    (status, positions [n] int64, slots [n] int64, tables [n, width] int32, seq_lens [n] int32,
-    query_start_loc [n + 1] int32); status < 0: request -1 - status lies past its blocks."""
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A step of decodes' flat inputs (see cpu_step_inputs.c): requests [n, 4] int64 C-contiguous
+    (tokens computed, blocks held, block table row, the token at that position), table [rows,
+    columns] int32 C-contiguous -> (status, input_ids [n] int64, positions [n] int64, slots [n]
+    int64, tables [n, width] int32, seq_lens [n] int32, query_start_loc [n + 1] int32);
+    status < 0: request -1 - status lies past its blocks."""
     n = requests.shape[0]
     columns = table.shape[1]
-    out64 = np.empty(2 * n, dtype=np.int64)
+    out64 = np.empty(3 * n, dtype=np.int64)
     out32 = np.empty(n * columns + 2 * n + 1, dtype=np.int32)
     p64, p32 = out64.ctypes.data, out32.ctypes.data
     status = lib.decode_inputs(
         requests.ctypes.data, n, table.ctypes.data, columns, block_size, p64, p64 + 8 * n,
-        p32, columns, p32 + 4 * n * columns, p32 + 4 * (n * columns + n),
+        p64 + 16 * n, p32, columns, p32 + 4 * n * columns, p32 + 4 * (n * columns + n),
     )  # fmt: skip
     tables = out32[: n * columns].reshape(n, columns)[:, : max(status, 0)]
     seq_lens = out32[n * columns : n * columns + n]
-    return status, out64[:n], out64[n:], tables, seq_lens, out32[n * columns + n :]
+    ids, positions, slots = out64[:n], out64[n : 2 * n], out64[2 * n :]
+    return status, ids, positions, slots, tables, seq_lens, out32[n * columns + n :]

@@ -48,6 +48,7 @@ def test_a_step_of_decodes_gets_the_numpy_paths_inputs(runner):
     fast, slow = prepared(runner, scheduled, True), prepared(runner, scheduled, False)
     for name in ("input_ids", "positions", "sample_index"):
         assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+    assert fast.sample_index.tolist() == [0, 2]
     for name in fast.meta._fields:
         a, b = getattr(fast.meta, name), getattr(slow.meta, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
@@ -56,11 +57,23 @@ def test_a_step_of_decodes_gets_the_numpy_paths_inputs(runner):
     assert fast.meta.block_tables.tolist()[0] == [9, 1, 30, 4]
 
 
+def test_a_step_where_every_row_samples_has_no_sample_index(runner):
+    scheduled = [("long", 1), ("done", 1)]
+    for native in (True, False):
+        inputs = prepared(runner, scheduled, native)
+        assert inputs.sample_index is None
+        assert inputs.sample_ids == ["long", "done"]
+        assert inputs.input_ids.tolist() == [runner.requests[r].token_ids[-1] for r, _ in scheduled]
+
+
 def test_a_decode_past_its_blocks_is_refused_as_on_the_numpy_path(runner):
-    runner.requests["done"].num_computed += 12  # token 33 of 2 blocks of 16
+    done = runner.requests["done"]
+    done.num_computed += 12  # token 33 of 2 blocks of 16
+    done.token_ids += [0] * 12
     try:
         for native in (True, False):
             with pytest.raises(ValueError, match="done computes up to token 33 but holds 2"):
                 prepared(runner, [("long", 1), ("done", 1)], native)
     finally:
-        runner.requests["done"].num_computed -= 12
+        done.num_computed -= 12
+        del done.token_ids[-12:]

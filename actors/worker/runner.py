@@ -45,9 +45,11 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    sample_index: torch.Tensor  # rows of the hidden states that sample
+    sample_index: torch.Tensor | None  # rows of the hidden states that sample; None: all
     sample_ids: list[str]
     sample_rows: list[SampleRow]
+    requests: list[CachedRequest]  # the scheduled ones, in the step's order
+    sample_requests: list[CachedRequest]  # those that sample, in sample_ids' order
 
 
 class ModelRunner:
@@ -151,7 +153,7 @@ class ModelRunner:
         slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         lengths = np.fromiter((len(r.token_ids) for r in reqs), np.int64, n)
         sampling = np.flatnonzero(ends == lengths)  # requests that reach their last token
-        sample_ids, sample_rows = self._sample_rows(
+        sample_ids, sample_rows, sample_reqs = self._sample_rows(
             scheduled, reqs, zip(sampling.tolist(), ends[sampling].tolist())
         )
         host = {
@@ -161,48 +163,50 @@ class ModelRunner:
             "block_tables": torch.from_numpy(tables),
             "seq_lens": torch.from_numpy(ends.astype(np.int32)),
             "query_start_loc": torch.from_numpy(query_start.astype(np.int32)),
-            "sample_index": torch.from_numpy(query_start[1:][sampling] - 1),
         }
+        if len(sampling) < total:
+            host["sample_index"] = torch.from_numpy(query_start[1:][sampling] - 1)
         dev = self._to_device(host)
         meta = AttentionMetadata(
             dev["slot_mapping"], dev["block_tables"], dev["seq_lens"], dev["query_start_loc"]
         )
         return StepInputs(
-            dev["input_ids"], dev["positions"], meta, dev["sample_index"], sample_ids, sample_rows
-        )
+            dev["input_ids"], dev["positions"], meta, dev.get("sample_index"), sample_ids,
+            sample_rows,
+            reqs, sample_reqs,
+        )  # fmt: skip
 
     def _prepare_decodes(self, scheduled, reqs: list[CachedRequest]) -> StepInputs:
         """prepare() for one token per request: the numbers in kernels/cpu_step_inputs.c (a
         dozen fewer numpy calls, each slow on the caches the last step streamed through)."""
         n = len(reqs)
-        numbers = np.fromiter(
-            (x for r in reqs for x in (r.num_computed, r.num_blocks, r.row)), np.int64, 3 * n
-        ).reshape(n, 3)
-        status, positions, slots, tables, seq_lens, query_start = native.decode_inputs(
+        flat, samples = [], []
+        for i, r in enumerate(reqs):  # one pass: each Python step here runs on cold caches
+            computed, tokens = r.num_computed, r.token_ids
+            flat += (computed, r.num_blocks, r.row, tokens[computed])
+            if computed + 1 == len(tokens):  # its last token: it samples
+                samples.append((i, computed + 1))
+        numbers = np.array(flat, dtype=np.int64).reshape(n, 4)
+        status, ids, positions, slots, tables, seq_lens, query_start = native.decode_inputs(
             self.native, numbers, self.block_tables.table, self.block_size
         )
         if status < 0:
             b = -1 - status
             raise self._past_blocks(scheduled[b][0], int(numbers[b, 0]) + 1, int(numbers[b, 1]))
-        ids, samples = [], []
-        for i, r in enumerate(reqs):
-            end = r.num_computed + 1
-            ids.append(r.token_ids[end - 1])
-            if end == len(r.token_ids):  # its last token: it samples
-                samples.append((i, end))
-        sample_ids, sample_rows = self._sample_rows(scheduled, reqs, samples)
-        sampling = [i for i, _ in samples]
+        sample_ids, sample_rows, sample_reqs = self._sample_rows(scheduled, reqs, samples)
         meta = AttentionMetadata(
             torch.from_numpy(slots),
             torch.from_numpy(tables),
             torch.from_numpy(seq_lens),
             torch.from_numpy(query_start),
         )
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        sample_index = torch.tensor(sampling, dtype=torch.long)
+        sample_index = None
+        if len(samples) < n:
+            sample_index = torch.tensor([i for i, _ in samples], dtype=torch.long)
         return StepInputs(
-            input_ids, torch.from_numpy(positions), meta, sample_index, sample_ids, sample_rows
-        )
+            torch.from_numpy(ids), torch.from_numpy(positions), meta, sample_index, sample_ids,
+            sample_rows, reqs, sample_reqs,
+        )  # fmt: skip
 
     def _past_blocks(self, request_id: str, end: int, num_blocks: int) -> ValueError:
         return ValueError(
@@ -211,17 +215,18 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _sample_rows(scheduled, reqs: list[CachedRequest], samples) -> tuple[list, list]:
+    def _sample_rows(scheduled, reqs: list[CachedRequest], samples) -> tuple[list, list, list]:
         """For each (index, end) in `samples`, request `index` reaches its last token at `end`:
-        -> their ids and SampleRows, each set to sample position `end`."""
-        sample_ids, sample_rows = [], []
+        -> their ids, SampleRows (each set to sample position `end`) and CachedRequests."""
+        sample_ids, sample_rows, sample_reqs = [], [], []
         for i, end in samples:
             r = reqs[i]
             sample_ids.append(scheduled[i][0])
             row = r.sample_row
             row.position, row.num_output = end, end - r.num_prompt_tokens
             sample_rows.append(row)
-        return sample_ids, sample_rows
+            sample_reqs.append(r)
+        return sample_ids, sample_rows, sample_reqs
 
     def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """CPU: as is. CUDA: pinned buffers copied on the copy stream; compute waits on an event."""
@@ -258,10 +263,10 @@ class ModelRunner:
             prompt_logprobs = self.prompt_logprobs.compute(
                 self.model, hidden, scheduled, self.requests
             )
-        for rid, count in scheduled:
-            self.requests[rid].num_computed += count
-        for rid, token in zip(inputs.sample_ids, tokens):
-            self.requests[rid].token_ids.append(token)
+        for request, (_, count) in zip(inputs.requests, scheduled):
+            request.num_computed += count
+        for request, token in zip(inputs.sample_requests, tokens):
+            request.token_ids.append(token)
         finished = time.perf_counter()
         if self.trace is not None:
             self._write_trace(plan, scheduled, inputs, started, prepared, forwarded, logits_done)
@@ -285,11 +290,15 @@ class ModelRunner:
         rows = inputs.sample_rows
         if not rows:
             return [], [], forwarded
-        every_row = len(rows) == hidden.shape[0]  # the rows that sample are 0, 1, ..., T - 1
-        sampled = hidden if every_row else hidden.index_select(0, inputs.sample_index)
+        index = inputs.sample_index
+        sampled = hidden if index is None else hidden.index_select(0, index)
         plain = [i for i, row in enumerate(rows) if is_plain_greedy(row)]
-        plain_rows = sampled if len(plain) == len(rows) else sampled[plain]
-        fused = self.model.greedy_tokens(plain_rows) if plain else None
+        every_plain = len(plain) == len(rows)
+        fused = None
+        if plain:
+            fused = self.model.greedy_tokens(sampled if every_plain else sampled[plain])
+        if fused is not None and every_plain:
+            return fused.tolist(), [], self._clock()
         if fused is None:  # no plain row, or no fused head on this device
             plain = []
         taken = set(plain)

@@ -7,7 +7,7 @@ its tokens depend neither on the other requests in the batch nor on how many ste
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,16 @@ class SampleRow:
     stop_token_ids: list[int]  # EOS (unless ignore_eos) + stop_token_ids, masked before min_tokens
     token_ids: list[int] | None = None  # prompt + output so far (read only for penalties)
     penalty_history: PenaltyHistory | None = None  # kept across steps by apply_penalties
+    plain_from: int | None = field(init=False)  # see __post_init__
+
+    def __post_init__(self) -> None:
+        """plain_from: the num_output from which the row is plain greedy (is_plain_greedy), or
+        None when its params never are. Set once: a step's check is then one comparison."""
+        params = self.params
+        plain = (
+            params.temperature == 0.0 and params.logprobs is None and not params.processes_logits
+        )
+        self.plain_from = (params.min_tokens if self.stop_token_ids else 0) if plain else None
 
     @property
     def masks_stop_tokens(self) -> bool:
@@ -45,13 +55,7 @@ class SampleRow:
 def is_plain_greedy(row: SampleRow) -> bool:
     """Greedy with nothing between the logits and the argmax (no penalties or bias, no stop
     token masked for min_tokens, no logprobs): the LM head may pick the token itself."""
-    params = row.params
-    return (
-        params.temperature == 0.0
-        and params.logprobs is None
-        and not params.processes_logits
-        and not row.masks_stop_tokens
-    )
+    return row.plain_from is not None and row.num_output >= row.plain_from
 
 
 class Sampler:
