@@ -12,6 +12,8 @@
    bookkeeping, and the time outside
    the Worker's step (StepResult out, the Scheduler's stop checks and TokensOut, the next plan,
    the BlockManager round trip, StepPlan in: scheduling, block allocation, messages).
+   The run is made `--repeat` times (default 3): this VM's speed drifts between runs, so the
+   table is the run of median non-model share, and every run's share is printed with it.
    Then the same run again without async scheduling, where the Worker waits for every hop of
    the control loop between two steps, split hop by hop from the Worker's and the Scheduler's
    traces: StepResult message, the Scheduler (stop checks, outputs, the next StepPlan), the
@@ -114,6 +116,9 @@ def full_decode_steps(steps: list[dict], batch: int) -> list[tuple[dict, dict]]:
 LM_HEAD = "lm_head (sampling rows; greedy: argmax fused in)"
 
 
+NON_MODEL = "non-model (all but the two model rows)"
+
+
 def step_breakdown(steps: list[dict], batch: int) -> list[dict]:
     """Rows of phase -> mean and p50 ms per step, share of the step, over full decode steps."""
     periods = [(s, n["start"] - s["start"]) for s, n in full_decode_steps(steps, batch)]
@@ -146,7 +151,7 @@ def step_breakdown(steps: list[dict], batch: int) -> list[dict]:
     rows.append(
         {
             "table": "step",
-            "phase": "non-model (all but the two model rows)",
+            "phase": NON_MODEL,
             "mean_ms": total * 1e3 - model,
             "p50_ms": None,
             "share": 1 - model / (total * 1e3),
@@ -164,6 +169,25 @@ def step_breakdown(steps: list[dict], batch: int) -> list[dict]:
         }
     )
     return rows
+
+
+def median_run(model_dir: Path, args) -> tuple[list[dict], list[dict], list[float]]:
+    """`args.repeat` traced runs -> (the step rows and CPU rows of the run whose non-model share
+    is the median, every run's non-model share in run order). The machine's speed drifts between
+    runs (a VM); the median run is the table, the spread is printed with it."""
+    runs = []
+    for _ in range(max(1, args.repeat)):
+        steps, _, cpu_rows = trace_steps(model_dir, args)
+        runs.append((step_breakdown(steps, args.num_requests), cpu_rows))
+    shares = [non_model_share(step_rows) for step_rows, _ in runs]
+    by_share = sorted(range(len(runs)), key=lambda i: shares[i])
+    step_rows, cpu_rows = runs[by_share[len(runs) // 2]]
+    next(r for r in step_rows if r["phase"] == NON_MODEL)["runs"] = shares
+    return step_rows, cpu_rows, shares
+
+
+def non_model_share(step_rows: list[dict]) -> float:
+    return next(r["share"] for r in step_rows if r["phase"] == NON_MODEL)
 
 
 def control_loop_breakdown(steps: list[dict], events: list[dict], batch: int) -> list[dict]:
@@ -464,6 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip-control-loop", action="store_true", help="no second run without async scheduling"
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="step-breakdown runs; the table is the run of median non-model share (default 3)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     bc.add_common_flags(parser)
     args = parser.parse_args(argv)
@@ -473,17 +503,18 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     if not args.skip_steps:
         model_dir = bc.resolve_model(args.model)
-        steps, _, cpu_rows = trace_steps(model_dir, args)
-        step_rows = step_breakdown(steps, args.num_requests)
+        step_rows, cpu_rows, shares = median_run(model_dir, args)
         for row in step_rows:
             row["model_name"] = bc.model_label(args.model)
         rows += step_rows
+        runs = ", ".join(f"{share:.1%}" for share in shares)
         out.append(
             bc.format_table(
                 step_rows,
                 STEP_COLUMNS,
                 title=f"Step time, {bc.model_label(args.model)}, {args.num_requests} running "
-                f"requests decoding ({step_rows[0]['steps']} steps):",
+                f"requests decoding ({step_rows[0]['steps']} steps; of {len(shares)} runs, the "
+                f"one of median non-model share; the runs: {runs}):",
             )
         )
         rows += cpu_rows

@@ -57,9 +57,12 @@ def test_bench_overhead_measures_the_ipc_round_trips_against_the_os_floor(tmp_pa
 def test_bench_overhead_splits_the_step_and_the_wait_between_steps_hop_by_hop(llama_dir, tmp_path):
     rows = run_script(
         "bench_overhead.py", "--model", str(llama_dir), "--skip-ipc", "--num-requests", "4",
-        "--output-len", "24", "--max-prompt-len", "40", "--quiet", json_path=tmp_path / "o.json",
+        "--output-len", "24", "--max-prompt-len", "40", "--repeat", "2", "--quiet",
+        json_path=tmp_path / "o.json",
     )  # fmt: skip
     step = {r["phase"]: r for r in rows if r["table"] == "step"}
+    non_model = step["non-model (all but the two model rows)"]
+    assert len(non_model["runs"]) == 2 and non_model["share"] in non_model["runs"]
     assert step["decoder forward"]["mean_ms"] > 0
     assert step["lm_head (sampling rows; greedy: argmax fused in)"]["mean_ms"] > 0
     assert 0 < step["non-model (all but the two model rows)"]["share"] < 1
