@@ -1,10 +1,11 @@
-"""Paged attention for serving on CPU: the reference's semantics (kernels/reference.py), built for
-speed from torch's fused CPU attention (`scaled_dot_product_attention`, flash-style, GQA without
-copying K/V per query head).
+"""Paged attention for serving on CPU: the reference's semantics (kernels/reference.py). Where the
+machine has a C compiler, every row goes to the C kernels, which read K/V straight from the cache
+blocks: decodes to kernels/cpu_decode.c, prefill chunks to kernels/cpu_prefill.c. Otherwise the
+torch path below, built from torch's fused CPU attention (`scaled_dot_product_attention`,
+flash-style, GQA without copying K/V per query head), serves.
 
-What costs on CPU is memory traffic, not FLOPs: every decode reads its whole context. So:
-- decodes go to a small C kernel (kernels/cpu_decode.c) that reads K/V straight from the cache
-  blocks, once, where the machine has a C compiler; otherwise to the torch path below;
+What costs on CPU is memory traffic, not FLOPs: every decode reads its whole context. So, on
+the torch path:
 - the step's layout (which rows decode, their blocks, masks) is worked out once per step and
   reused by every layer (the layers pass the same metadata; it is compared by content, which
   costs microseconds);
@@ -93,33 +94,33 @@ def _prefills(block_tables, lens, starts, block_size: int) -> list[_Prefill]:
 
 class CpuAttention:
     """The `cpu` backend's paged attention. Holds the last step's layout (every layer of a step
-    passes the same metadata) and, where the machine can build it, the C decode kernel
-    (kernels/cpu_decode.c via kernels/native.py): decodes then read K/V straight from the cache
-    blocks; without it they take the grouped torch path above. Prefill chunks always use torch's
-    SDPA (their cost is matmul work, which SDPA does well)."""
+    passes the same metadata) and, where the machine can build them, the C kernels (via
+    kernels/native.py): decodes and prefill chunks then read K/V straight from the cache
+    blocks; without them decodes take the grouped torch path above and prefill chunks SDPA."""
 
     def __init__(self, use_native: bool = True) -> None:
         self.native = native.load() if use_native else None
-        self._key: tuple[int, bool, tuple[torch.Tensor, ...]] | None = None
+        self._key: tuple[int, tuple[torch.Tensor, ...]] | None = None
         self._layout = _Layout([], [])
 
-    def _step_layout(
-        self, block_tables, seq_lens, query_start_loc, block_size: int, with_decode: bool
-    ) -> _Layout:
-        """The step's prefill chunks, and its decode groups when the torch path serves them."""
+    def _step_layout(self, block_tables, seq_lens, query_start_loc, block_size: int) -> _Layout:
+        """The step's decode groups and prefill chunks, for the torch path."""
         tensors = (block_tables, seq_lens, query_start_loc)
         key = self._key
-        if key is not None and key[:2] == (block_size, with_decode) and _same(key[2], tensors):
+        if key is not None and key[0] == block_size and _same(key[1], tensors):
             return self._layout
         starts = query_start_loc.tolist()
         lens = seq_lens.tolist()
-        decode = _decode_groups(block_tables, lens, starts, block_size) if with_decode else []
-        self._layout = _Layout(decode, _prefills(block_tables, lens, starts, block_size))
-        self._key = (block_size, with_decode, tuple(t.clone() for t in tensors))
+        self._layout = _Layout(
+            _decode_groups(block_tables, lens, starts, block_size),
+            _prefills(block_tables, lens, starts, block_size),
+        )
+        self._key = (block_size, tuple(t.clone() for t in tensors))
         return self._layout
 
-    def _native_decode(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
-        """The C kernel fills `out`'s decode rows, or None when the inputs do not suit it."""
+    def _native(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+        """The C kernels fill every row (decodes, then prefill chunks), or None when the inputs
+        do not suit them."""
         tensors = (q, k_cache, v_cache)
         if self.native is None or any(t.dtype != torch.float32 for t in tensors):
             return None
@@ -127,8 +128,10 @@ class CpuAttention:
             return None
         meta = [t.to(torch.int32).contiguous() for t in (block_tables, seq_lens, query_start_loc)]
         q = q.contiguous()
-        out = torch.empty_like(q)  # contiguous, as the kernel writes it
+        out = torch.empty_like(q)  # contiguous, as the kernels write it
         native.decode_attention(self.native, q, k_cache, v_cache, *meta, scale, out)
+        if q.shape[0] != seq_lens.shape[0]:  # not one token per sequence: prefill chunks too
+            native.prefill_attention(self.native, q, k_cache, v_cache, *meta, scale, out)
         return out
 
     def paged_attention(
@@ -144,19 +147,13 @@ class CpuAttention:
         """Same contract as kernels.reference.paged_attention."""
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         gqa = q.shape[1] != num_kv_heads
-        out = self._native_decode(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
-        )
-        if out is not None and q.shape[0] == seq_lens.shape[0]:
-            return out  # one token per sequence: all decodes, the C kernel did every row
-        torch_decode = out is None
-        layout = self._step_layout(
-            block_tables, seq_lens, query_start_loc, block_size, with_decode=torch_decode
-        )
-        if torch_decode:
-            out = torch.empty_like(q)
-            for g in layout.decode:
-                _grouped_decode(q, k_cache, v_cache, g, scale, gqa, out)
+        out = self._native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        if out is not None:
+            return out
+        layout = self._step_layout(block_tables, seq_lens, query_start_loc, block_size)
+        out = torch.empty_like(q)
+        for g in layout.decode:
+            _grouped_decode(q, k_cache, v_cache, g, scale, gqa, out)
         for p in layout.prefill:
             k = k_cache.index_select(0, p.blocks).view(1, -1, num_kv_heads, head_dim)
             v = v_cache.index_select(0, p.blocks).view(1, -1, num_kv_heads, head_dim)

@@ -1,5 +1,6 @@
-"""Build and load the CPU kernels in C, one library: kernels/cpu_decode.c (decode attention
-reading the paged cache directly), cpu_store_kv.c (writing this step's K/V into it), cpu_argmax.c
+"""Build and load the CPU kernels in C, one library: kernels/cpu_decode.c and cpu_prefill.c
+(decode and prefill attention reading the paged cache directly, with cpu_attention.h),
+cpu_store_kv.c (writing this step's K/V into it), cpu_argmax.c
 (greedy sampling's argmax), cpu_panel_gemm.c (decode-sized products against weights packed in
 panels: the projections' Linear, and the LM head with that argmax fused), cpu_elementwise.c
 (fused RMSNorm with its residual add, SiLU-and-multiply, RoPE) and cpu_decode_stack.c (a whole
@@ -39,6 +40,7 @@ SOURCES = tuple(
     HERE / name
     for name in (
         "cpu_decode.c",
+        "cpu_prefill.c",
         "cpu_argmax.c",
         "cpu_panel_gemm.c",
         "cpu_elementwise.c",
@@ -47,7 +49,7 @@ SOURCES = tuple(
         "cpu_step_inputs.c",
     )
 )
-HEADERS = (HERE / "cpu_vec.h", HERE / "cpu_kernels.h")
+HEADERS = (HERE / "cpu_vec.h", HERE / "cpu_kernels.h", HERE / "cpu_attention.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm")
 CACHE_ENV = "ACTORSERVE_KERNEL_CACHE"
 
@@ -120,9 +122,10 @@ def load() -> ctypes.CDLL | None:
         log.warning("CPU kernels in C unavailable (%s): using the torch paths", exc)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.decode_attention.restype = ctypes.c_int
-    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr] + [i64] * 5
-    lib.decode_attention.argtypes += [ctypes.c_float, ptr]
+    for attention in (lib.decode_attention, lib.prefill_attention):
+        attention.restype = ctypes.c_int
+        attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr] + [i64] * 5
+        attention.argtypes += [ctypes.c_float, ptr]
     lib.argmax_rows.restype = None
     lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
     lib.greedy_head.restype = ctypes.c_int
@@ -168,8 +171,31 @@ def decode_attention(
     """Fill out's rows of single-query sequences (see cpu_decode.c); other rows are untouched.
 
     Takes fp32 CPU tensors; q, out, caches contiguous; the int32 metadata contiguous."""
+    _attention(lib.decode_attention, "decode", q, k_cache, v_cache, block_tables, seq_lens,
+               query_start_loc, scale, out)  # fmt: skip
+
+
+def prefill_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Fill out's rows of sequences computing a chunk of more than one token, causal over the
+    cache (see cpu_prefill.c); other rows are untouched. Takes what decode_attention takes."""
+    _attention(lib.prefill_attention, "prefill", q, k_cache, v_cache, block_tables, seq_lens,
+               query_start_loc, scale, out)  # fmt: skip
+
+
+def _attention(function, name: str, q, k_cache, v_cache, block_tables, seq_lens,
+               query_start_loc, scale: float, out) -> None:  # fmt: skip
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    status = lib.decode_attention(
+    status = function(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
@@ -186,7 +212,7 @@ def decode_attention(
         out.data_ptr(),
     )
     if status != 0:
-        raise MemoryError("decode attention could not allocate its score buffer")
+        raise MemoryError(f"{name} attention could not allocate its score buffer")
 
 
 def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:

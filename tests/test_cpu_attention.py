@@ -1,10 +1,11 @@
-"""The CPU serving kernels (kernels/cpu.py) against torch, on both decode paths:
-the C kernel that reads the paged cache directly (kernels/cpu_decode.c) and the grouped torch
-path kept for machines without a compiler. Decodes of many lengths, prefill chunks with and
-without a cached prefix, GQA and MHA, head sizes, block sizes, junk past a sequence's blocks, and
-the per-step layout reused across layers (and not across steps). Also store_kv, and the argmax
-(kernels/cpu_argmax.c) and the LM head with the argmax fused in (kernels/cpu_panel_gemm.c)
-against torch's max(dim=-1).indices, and that file's decode-sized Linear against torch's product."""
+"""The CPU serving kernels (kernels/cpu.py) against torch, on both paths: the C kernels that
+read the paged cache directly (decodes: kernels/cpu_decode.c, prefill chunks: cpu_prefill.c) and
+the torch path kept for machines without a compiler (grouped decodes, SDPA for prefill chunks).
+Decodes of many lengths, prefill chunks with and without a cached prefix and over several tiles,
+GQA and MHA, head sizes, block sizes, junk past a sequence's blocks, and the per-step layout
+reused across layers (and not across steps). Also store_kv, and the argmax (kernels/cpu_argmax.c)
+and the LM head with the argmax fused in (kernels/cpu_panel_gemm.c) against torch's
+max(dim=-1).indices, and that file's decode-sized Linear against torch's product."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from test_kernels import TOLERANCES, make_batch
 
 from actorserve.kernels import attention_ops, cpu, native, reference
 
-PATHS = [pytest.param(True, id="c-decode"), pytest.param(False, id="torch-decode")]
+PATHS = [pytest.param(True, id="c-kernels"), pytest.param(False, id="torch")]
 
 
 @pytest.fixture(params=PATHS)
@@ -59,6 +60,42 @@ def test_matches_reference(attention, query_lens, seq_lens, heads, block_size):
 def test_head_sizes(attention, head_dim):
     batch = make_batch([1, 3, 1], [40, 19, 77], head_dim=head_dim, num_q_heads=8, num_kv_heads=2)
     assert_matches(attention, batch)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2)])
+def test_long_prefill_chunks_span_several_tiles(attention, head_dim, heads):
+    # chunks of 16 and 17 tokens (a whole tile, one past it), 40 over a cached prefix, a decode
+    batch = make_batch(
+        [16, 17, 40, 1, 33], [16, 50, 100, 9, 33], head_dim=head_dim,
+        num_q_heads=heads[0], num_kv_heads=heads[1],
+    )  # fmt: skip
+    assert_matches(attention, batch)
+
+
+def test_each_prefill_row_is_the_decode_kernels_result_for_its_token():
+    """A chunk's token at position p attends to positions 0..p: exactly a decode of that token
+    over a context of p + 1 (cpu_prefill.c shares the decode kernel's arithmetic)."""
+    lib = native.load()
+    batch = make_batch([40, 1, 23], [70, 12, 23], num_q_heads=6, num_kv_heads=2, seed=3)
+    q, k_cache, v_cache, tables, seq_lens, starts, scale = batch.args()
+    out = torch.full_like(q, float("nan"))
+    native.decode_attention(lib, q, k_cache, v_cache, tables, seq_lens, starts, scale, out)
+    native.prefill_attention(lib, q, k_cache, v_cache, tables, seq_lens, starts, scale, out)
+    # the same step as one-token sequences: token t of sequence b, context up to its position
+    rows, lens = [], []
+    for b in range(len(seq_lens)):
+        n = int(starts[b + 1] - starts[b])
+        for j in range(n):
+            rows.append(b)
+            lens.append(int(seq_lens[b]) - n + j + 1)
+    single = torch.full_like(q, float("nan"))
+    native.decode_attention(
+        lib, q, k_cache, v_cache, tables[rows].contiguous(),
+        torch.tensor(lens, dtype=torch.int32), torch.arange(len(rows) + 1, dtype=torch.int32),
+        scale, single,
+    )  # fmt: skip
+    assert torch.equal(out, single)
 
 
 def test_many_decodes_span_several_length_groups(attention):
