@@ -172,8 +172,7 @@ class ModelRunner:
         )
         return StepInputs(
             dev["input_ids"], dev["positions"], meta, dev.get("sample_index"), sample_ids,
-            sample_rows,
-            reqs, sample_reqs,
+            sample_rows, reqs, sample_reqs,
         )  # fmt: skip
 
     def _prepare_decodes(self, scheduled, reqs: list[CachedRequest]) -> StepInputs:
