@@ -129,9 +129,9 @@ class CpuAttention:
         meta = [t.to(torch.int32).contiguous() for t in (block_tables, seq_lens, query_start_loc)]
         q = q.contiguous()
         out = torch.empty_like(q)  # contiguous, as the kernels write it
-        native.decode_attention(self.native, q, k_cache, v_cache, *meta, scale, out)
+        native.paged_attention(self.native, "decode", q, k_cache, v_cache, *meta, scale, out)
         if q.shape[0] != seq_lens.shape[0]:  # not one token per sequence: prefill chunks too
-            native.prefill_attention(self.native, q, k_cache, v_cache, *meta, scale, out)
+            native.paged_attention(self.native, "prefill", q, k_cache, v_cache, *meta, scale, out)
         return out
 
     def paged_attention(

@@ -140,6 +140,20 @@ INLINE void touch_pages(const float *block, int64_t floats) {
 /* Scores per head: a row of ROW(len) floats, room for the last chunk's whole vector. */
 #define ROW(len) (((len) + VW - 1) / VW * VW + VW)
 
+/* o[0..d) *= s (a head's output by 1 / its softmax sum). */
+INLINE void scale_head(float *o, int64_t d, float s) {
+    const int64_t dv = d - d % VW;
+    for (int64_t i = 0; i < dv; i += VW) store(o + i, load(o + i) * splat(s));
+    for (int64_t i = dv; i < d; i++) o[i] *= s;
+}
+
+/* qsort order for work-item keys (a context length << 32 | an index): longest first, so that
+ * the last items handed out are short and the threads finish together. */
+static int longest_first(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x < y) - (x > y);
+}
+
 /* One head's row of scores s[0..len) (ROW(len) floats) -> exp(score - max) in place, lanes up to
  * the last whole vector set to 0; returns 1 / their sum. The max is exact (taken first), as the
  * reference's softmax. */

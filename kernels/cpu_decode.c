@@ -45,7 +45,7 @@ INLINE void attend(const float *restrict q, const float *restrict k_cache,
                    int64_t bs, int64_t hkv, int64_t kvh, int64_t nkv, int64_t d, int64_t g,
                    float scale, float *restrict scores, float *restrict out) {
     const int64_t token_stride = hkv * d, block_stride = bs * token_stride;
-    const int64_t heads = nkv * g, row = ROW(len), dv = d - d % VW;
+    const int64_t heads = nkv * g, row = ROW(len);
     const int64_t nblocks = (len + bs - 1) / bs;
     /* pass 1: scores[head][pos]; a chunk's lanes past its tokens are overwritten by the next
      * chunk or lie past len */
@@ -83,11 +83,7 @@ INLINE void attend(const float *restrict q, const float *restrict k_cache,
                                  v + c * token_stride + h * d, n, token_stride, d);
         }
     }
-    for (int64_t j = 0; j < heads; j++) {
-        float *o = out + j * d;
-        for (int64_t i = 0; i < dv; i += VW) store(o + i, load(o + i) * splat(inv[j]));
-        for (int64_t i = dv; i < d; i++) o[i] *= inv[j];
-    }
+    for (int64_t j = 0; j < heads; j++) scale_head(out + j * d, d, inv[j]);
 }
 
 #define ATTEND_ARGS                                                                           \
@@ -101,12 +97,6 @@ INLINE void attend(const float *restrict q, const float *restrict k_cache,
 static void attend_64(ATTEND_ARGS) { (void)d; ATTEND_CALL(64); }
 static void attend_128(ATTEND_ARGS) { (void)d; ATTEND_CALL(128); }
 static void attend_any(ATTEND_ARGS) { ATTEND_CALL(d); }
-
-/* qsort order for keys (context length << 32 | sequence): longest first */
-static int descending(const void *a, const void *b) {
-    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x < y) - (x > y);
-}
 
 /* Returns 0, or -1 when a scratch buffer could not be allocated (out is then incomplete). */
 int decode_attention(const float *q, const float *k_cache, const float *v_cache,
@@ -127,7 +117,7 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
         free(order);
         return 0;
     }
-    qsort(order, count, sizeof(int64_t), descending);
+    qsort(order, count, sizeof(int64_t), longest_first);
 #if defined(_OPENMP)
     const int64_t threads = omp_get_max_threads();
 #else

@@ -101,7 +101,7 @@ INLINE void attend_tile(const float *restrict q, int64_t q_stride, const float *
                         int64_t d, int64_t g, float scale, float *restrict scores,
                         float *restrict out) {
     const int64_t token_stride = hkv * d, block_stride = bs * token_stride;
-    const int64_t len = first + rows, row = ROW(len), dv = d - d % VW;
+    const int64_t len = first + rows, row = ROW(len);
     const int64_t nblocks = (len + bs - 1) / bs;
     /* pass 1: scores[r g + j][pos] for pos < first + r + 1 (and the rest of its last chunk) */
     for (int64_t b = 0; b < nblocks; b++) {
@@ -160,12 +160,7 @@ INLINE void attend_tile(const float *restrict q, int64_t q_stride, const float *
         }
     }
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < g; j++) {
-            float *o = out + r * q_stride + j * d;
-            const float s = inv[r * g + j];
-            for (int64_t i = 0; i < dv; i += VW) store(o + i, load(o + i) * splat(s));
-            for (int64_t i = dv; i < d; i++) o[i] *= s;
-        }
+        for (int64_t j = 0; j < g; j++) scale_head(out + r * q_stride + j * d, d, inv[r * g + j]);
 }
 
 #define TILE_ARGS                                                                             \
@@ -180,12 +175,6 @@ INLINE void attend_tile(const float *restrict q, int64_t q_stride, const float *
 static void tile_64(TILE_ARGS) { (void)d; TILE_CALL(64); }
 static void tile_128(TILE_ARGS) { (void)d; TILE_CALL(128); }
 static void tile_any(TILE_ARGS) { TILE_CALL(d); }
-
-/* qsort order for keys (context length at the tile's end << 32 | item): longest first */
-static int descending(const void *a, const void *b) {
-    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x < y) - (x > y);
-}
 
 /* Returns 0, or -1 when a scratch buffer could not be allocated (out is then incomplete). */
 int prefill_attention(const float *q, const float *k_cache, const float *v_cache,
@@ -221,7 +210,7 @@ int prefill_attention(const float *q, const float *k_cache, const float *v_cache
             count++;
         }
     }
-    qsort(order, count, sizeof(int64_t), descending);
+    qsort(order, count, sizeof(int64_t), longest_first);
     void (*tile_d)(TILE_ARGS) = head_dim == 64 ? tile_64 : head_dim == 128 ? tile_128 : tile_any;
     const int64_t q_stride = num_q_heads * head_dim;
     int failed = 0;

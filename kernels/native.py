@@ -157,8 +157,9 @@ def library_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     return load()
 
 
-def decode_attention(
+def paged_attention(
     lib: ctypes.CDLL,
+    rows: str,
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -168,32 +169,12 @@ def decode_attention(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """Fill out's rows of single-query sequences (see cpu_decode.c); other rows are untouched.
+    """Fill out's rows of one kind; the others are untouched. rows="decode": sequences of one
+    query token (cpu_decode.c); rows="prefill": sequences computing a chunk of more than one
+    token, causal over the cache (cpu_prefill.c).
 
     Takes fp32 CPU tensors; q, out, caches contiguous; the int32 metadata contiguous."""
-    _attention(lib.decode_attention, "decode", q, k_cache, v_cache, block_tables, seq_lens,
-               query_start_loc, scale, out)  # fmt: skip
-
-
-def prefill_attention(
-    lib: ctypes.CDLL,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-) -> None:
-    """Fill out's rows of sequences computing a chunk of more than one token, causal over the
-    cache (see cpu_prefill.c); other rows are untouched. Takes what decode_attention takes."""
-    _attention(lib.prefill_attention, "prefill", q, k_cache, v_cache, block_tables, seq_lens,
-               query_start_loc, scale, out)  # fmt: skip
-
-
-def _attention(function, name: str, q, k_cache, v_cache, block_tables, seq_lens,
-               query_start_loc, scale: float, out) -> None:  # fmt: skip
+    function = {"decode": lib.decode_attention, "prefill": lib.prefill_attention}[rows]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     status = function(
         q.data_ptr(),
@@ -212,7 +193,7 @@ def _attention(function, name: str, q, k_cache, v_cache, block_tables, seq_lens,
         out.data_ptr(),
     )
     if status != 0:
-        raise MemoryError(f"{name} attention could not allocate its score buffer")
+        raise MemoryError(f"{rows} attention could not allocate its score buffer")
 
 
 def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:

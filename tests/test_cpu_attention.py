@@ -80,8 +80,8 @@ def test_each_prefill_row_is_the_decode_kernels_result_for_its_token():
     batch = make_batch([40, 1, 23], [70, 12, 23], num_q_heads=6, num_kv_heads=2, seed=3)
     q, k_cache, v_cache, tables, seq_lens, starts, scale = batch.args()
     out = torch.full_like(q, float("nan"))
-    native.decode_attention(lib, q, k_cache, v_cache, tables, seq_lens, starts, scale, out)
-    native.prefill_attention(lib, q, k_cache, v_cache, tables, seq_lens, starts, scale, out)
+    for rows in ("decode", "prefill"):
+        native.paged_attention(lib, rows, q, k_cache, v_cache, tables, seq_lens, starts, scale, out)
     # the same step as one-token sequences: token t of sequence b, context up to its position
     rows, lens = [], []
     for b in range(len(seq_lens)):
@@ -90,8 +90,8 @@ def test_each_prefill_row_is_the_decode_kernels_result_for_its_token():
             rows.append(b)
             lens.append(int(seq_lens[b]) - n + j + 1)
     single = torch.full_like(q, float("nan"))
-    native.decode_attention(
-        lib, q, k_cache, v_cache, tables[rows].contiguous(),
+    native.paged_attention(
+        lib, "decode", q, k_cache, v_cache, tables[rows].contiguous(),
         torch.tensor(lens, dtype=torch.int32), torch.arange(len(rows) + 1, dtype=torch.int32),
         scale, single,
     )  # fmt: skip
@@ -117,9 +117,9 @@ def test_a_new_step_with_other_metadata_is_not_served_the_old_layout(attention):
 
 def test_half_precision_falls_back_to_the_torch_path(monkeypatch):
     def no_c(*args):
-        raise AssertionError("the C kernel is fp32 only")
+        raise AssertionError("the C kernels are fp32 only")
 
-    monkeypatch.setattr(native, "decode_attention", no_c)
+    monkeypatch.setattr(native, "paged_attention", no_c)
     batch = make_batch([1, 1, 5], [9, 40, 5], dtype=torch.bfloat16)
     torch.testing.assert_close(
         cpu.CpuAttention().paged_attention(*batch.args()),
