@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from actorserve.actors.worker.sampler import Sampler, SampleRow
+from actorserve.actors.worker.sampler import Sampler, SampleRow, is_plain_greedy
 from actorserve.messages.common import SamplingParams
 
 
@@ -15,6 +15,22 @@ def row(position=10, num_output=0, stops=(), **params):
 def test_temperature_zero_is_argmax():
     logits = torch.randn(4, 100)
     assert Sampler()(logits.clone(), [row(temperature=0.0)] * 4) == logits.argmax(-1).tolist()
+
+
+def test_plain_greedy_means_nothing_between_the_logits_and_the_argmax():
+    assert is_plain_greedy(row(temperature=0.0))
+    assert is_plain_greedy(row(temperature=0.0, min_tokens=5))  # no stop token to mask
+    for params in (
+        dict(temperature=0.7),
+        dict(temperature=0.0, logprobs=0),
+        dict(temperature=0.0, repetition_penalty=1.1),
+        dict(temperature=0.0, logit_bias={3: 1.0}),
+    ):
+        assert not is_plain_greedy(row(**params)), params
+    # with a stop token, min_tokens masks it (not plain) until that many tokens are out
+    greedy = dict(temperature=0.0, min_tokens=3)
+    masked = [is_plain_greedy(row(num_output=n, stops=[2], **greedy)) for n in range(5)]
+    assert masked == [False, False, False, True, True]
 
 
 def test_top_k_one_and_tiny_top_p_both_mean_argmax():
