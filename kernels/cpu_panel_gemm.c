@@ -37,18 +37,19 @@ int64_t panel_width(void) { return NR; }
 /* aligned_alloc wants a size that is a multiple of the alignment */
 static void *alloc64(int64_t bytes) { return aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64)); }
 
-/* a [m, k] -> [row block][k][MR], zero rows past m; NULL when it cannot allocate */
-static float *rows_by_block(const float *a, int64_t m, int64_t k, int64_t a_stride) {
-    const int64_t row_blocks = (m + MR - 1) / MR;
-    float *at = alloc64(sizeof(float) * row_blocks * MR * k);
-    if (!at) return NULL;
-    for (int64_t rb = 0; rb < row_blocks; rb++)
-        for (int r = 0; r < MR; r++) {
-            const int64_t row = rb * MR + r;
-            for (int64_t i = 0; i < k; i++)
-                at[(rb * k + i) * MR + r] = row < m ? a[row * a_stride + i] : 0.0f;
-        }
-    return at;
+/* Row block rb of a [m, k] -> at's [k][MR] (zero rows past m). */
+static void block_rows(const float *a, int64_t m, int64_t k, int64_t a_stride, int64_t rb,
+                       float *at) {
+    float *dst = at + rb * k * MR;
+    for (int r = 0; r < MR; r++) {
+        const int64_t row = rb * MR + r;
+        for (int64_t i = 0; i < k; i++) dst[i * MR + r] = row < m ? a[row * a_stride + i] : 0.0f;
+    }
+}
+
+/* Room for a [m, k] as [row block][k][MR]; NULL when it cannot allocate */
+static float *alloc_rows(int64_t m, int64_t k) {
+    return alloc64(sizeof(float) * (m + MR - 1) / MR * MR * k);
 }
 
 /* c = one MR x NR tile of products. Meanwhile prefetches `prefetch_lines` cache lines from
@@ -118,9 +119,10 @@ static inline __attribute__((always_inline)) void fold_tile(
     }
 }
 
-/* Every tile of a @ W.T, each thread a contiguous range of panels; returns the threads used. */
-static int for_each_tile(const float *at, int64_t m, int64_t k, const float *packed,
-                         const epilogue *e, int greedy) {
+/* Every tile of a @ W.T, each thread a contiguous range of panels, after the threads have
+ * copied a's row blocks into at (alloc_rows) together; returns the threads used. */
+static int for_each_tile(const float *a, int64_t a_stride, float *at, int64_t m, int64_t k,
+                         const float *packed, const epilogue *e, int greedy) {
     const int64_t row_blocks = (m + MR - 1) / MR, panels = (e->n + NR - 1) / NR;
     const int64_t lines_per_panel = k * NR * (int64_t)sizeof(float) / 64;
     int threads = 1;
@@ -130,8 +132,10 @@ static int for_each_tile(const float *at, int64_t m, int64_t k, const float *pac
 #ifdef _OPENMP
         t = omp_get_thread_num(), nt = omp_get_num_threads();
 #endif
-#pragma omp single
+#pragma omp single nowait
         threads = nt;
+#pragma omp for schedule(static)
+        for (int64_t rb = 0; rb < row_blocks; rb++) block_rows(a, m, k, a_stride, rb, at);
         const int64_t first = panels * t / nt, end = panels * (t + 1) / nt;
         vf c[MR][NRV];
         for (int64_t p = first; p < end; p++) {
@@ -155,10 +159,10 @@ static int for_each_tile(const float *at, int64_t m, int64_t k, const float *pac
  * Returns 0, or -1 when it cannot allocate its buffer. */
 int panel_linear(const float *a, int64_t m, int64_t k, int64_t a_stride, const float *packed,
                  int64_t n, float *out) {
-    float *at = rows_by_block(a, m, k, a_stride);
+    float *at = alloc_rows(m, k);
     if (!at) return -1;
     const epilogue e = {m, n, out, NULL, NULL, 0};
-    for_each_tile(at, m, k, packed, &e, 0);
+    for_each_tile(a, a_stride, at, m, k, packed, &e, 0);
     free(at);
     return 0;
 }
@@ -172,7 +176,7 @@ int greedy_head(const float *a, int64_t m, int64_t k, int64_t a_stride, const fl
     max_threads = omp_get_max_threads();
 #endif
     const int64_t state = (m + MR - 1) / MR * MR * NR; /* one thread's best values (and columns) */
-    float *at = rows_by_block(a, m, k, a_stride);
+    float *at = alloc_rows(m, k);
     float *best = alloc64(sizeof(float) * max_threads * state);
     int32_t *where = alloc64(sizeof(int32_t) * max_threads * state);
     if (!at || !best || !where) {
@@ -181,7 +185,7 @@ int greedy_head(const float *a, int64_t m, int64_t k, int64_t a_stride, const fl
     }
     for (int64_t i = 0; i < max_threads * state; i++) best[i] = -__builtin_inff(), where[i] = 0;
     const epilogue e = {m, n, NULL, best, where, state};
-    const int threads = for_each_tile(at, m, k, packed, &e, 1);
+    const int threads = for_each_tile(a, a_stride, at, m, k, packed, &e, 1);
     for (int64_t r = 0; r < m; r++) {
         float value = best[r * NR];
         int32_t column = where[r * NR];
