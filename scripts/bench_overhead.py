@@ -171,10 +171,11 @@ def step_breakdown(steps: list[dict], batch: int) -> list[dict]:
     return rows
 
 
-def median_run(model_dir: Path, args) -> tuple[list[dict], list[dict], list[float]]:
-    """`args.repeat` traced runs -> (the step rows and CPU rows of the run whose non-model share
-    is the median, every run's non-model share in run order). The machine's speed drifts between
-    runs (a VM); the median run is the table, the spread is printed with it."""
+def median_run(model_dir: Path, args) -> tuple[list[dict], list[dict]]:
+    """`args.repeat` traced runs -> the step rows and CPU rows of the run whose non-model share
+    is the median; its non-model row also holds every run's share ("runs", in run order). The
+    machine's speed drifts between runs (a VM); the median run is the table, the spread is
+    printed with it."""
     runs = []
     for _ in range(max(1, args.repeat)):
         steps, _, cpu_rows = trace_steps(model_dir, args)
@@ -182,12 +183,16 @@ def median_run(model_dir: Path, args) -> tuple[list[dict], list[dict], list[floa
     shares = [non_model_share(step_rows) for step_rows, _ in runs]
     by_share = sorted(range(len(runs)), key=lambda i: shares[i])
     step_rows, cpu_rows = runs[by_share[len(runs) // 2]]
-    next(r for r in step_rows if r["phase"] == NON_MODEL)["runs"] = shares
-    return step_rows, cpu_rows, shares
+    non_model_row(step_rows)["runs"] = shares
+    return step_rows, cpu_rows
 
 
 def non_model_share(step_rows: list[dict]) -> float:
-    return next(r["share"] for r in step_rows if r["phase"] == NON_MODEL)
+    return non_model_row(step_rows)["share"]
+
+
+def non_model_row(step_rows: list[dict]) -> dict:
+    return next(r for r in step_rows if r["phase"] == NON_MODEL)
 
 
 def control_loop_breakdown(steps: list[dict], events: list[dict], batch: int) -> list[dict]:
@@ -503,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     if not args.skip_steps:
         model_dir = bc.resolve_model(args.model)
-        step_rows, cpu_rows, shares = median_run(model_dir, args)
+        step_rows, cpu_rows = median_run(model_dir, args)
+        shares = non_model_row(step_rows)["runs"]
         for row in step_rows:
             row["model_name"] = bc.model_label(args.model)
         rows += step_rows

@@ -262,15 +262,10 @@ class ModelRunner:
             prompt_logprobs = self.prompt_logprobs.compute(
                 self.model, hidden, scheduled, self.requests
             )
-        if inputs.sample_index is None:  # one token each, and every request samples
-            for request, token in zip(inputs.requests, tokens):
-                request.num_computed += 1
-                request.token_ids.append(token)
-        else:
-            for request, (_, count) in zip(inputs.requests, scheduled):
-                request.num_computed += count
-            for request, token in zip(inputs.sample_requests, tokens):
-                request.token_ids.append(token)
+        for request, (_, count) in zip(inputs.requests, scheduled):
+            request.num_computed += count
+        for request, token in zip(inputs.sample_requests, tokens):
+            request.token_ids.append(token)
         finished = time.perf_counter()
         if self.trace is not None:
             self._write_trace(plan, scheduled, inputs, started, prepared, forwarded, logits_done)

@@ -35,21 +35,25 @@ class SampleRow:
     stop_token_ids: list[int]  # EOS (unless ignore_eos) + stop_token_ids, masked before min_tokens
     token_ids: list[int] | None = None  # prompt + output so far (read only for penalties)
     penalty_history: PenaltyHistory | None = None  # kept across steps by apply_penalties
-    plain_from: int | None = field(init=False)  # see __post_init__
+    masked_until: int = field(init=False)  # see __post_init__
+    plain_from: int | None = field(init=False)
 
     def __post_init__(self) -> None:
-        """plain_from: the num_output from which the row is plain greedy (is_plain_greedy), or
-        None when its params never are. Set once: a step's check is then one comparison."""
+        """Set once, so that a step's checks are one comparison each: masked_until, the
+        num_output before which its stop tokens are masked (min_tokens, or 0 without stop
+        tokens); plain_from, the num_output from which the row is plain greedy
+        (is_plain_greedy), None when its params never are."""
         params = self.params
+        self.masked_until = params.min_tokens if self.stop_token_ids else 0
         plain = (
             params.temperature == 0.0 and params.logprobs is None and not params.processes_logits
         )
-        self.plain_from = (params.min_tokens if self.stop_token_ids else 0) if plain else None
+        self.plain_from = self.masked_until if plain else None
 
     @property
     def masks_stop_tokens(self) -> bool:
         """Before min_tokens, its stop tokens (EOS included) may not be sampled."""
-        return self.num_output < self.params.min_tokens and bool(self.stop_token_ids)
+        return self.num_output < self.masked_until
 
 
 def is_plain_greedy(row: SampleRow) -> bool:
