@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -175,4 +176,5 @@ class EngineServer:
             self.proc.kill()
             code = self.proc.wait()
         self._log.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
         return code

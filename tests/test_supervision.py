@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -341,6 +342,7 @@ def test_supervisord_restarts_a_killed_serve_process(llama_dir):
     finally:
         supervisord.send_signal(signal.SIGTERM)
         supervisord.wait(60)
+        shutil.rmtree(run, ignore_errors=True)
 
 
 def _health_or_none(client: Client):
