@@ -79,6 +79,11 @@ class ModelShape:
     def lm_head_params(self) -> int:
         return self.hidden * self.vocab
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """fp32 K and V of one token in every layer."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * 4
+
     def gemm_shapes(self, tokens: int = 2048, samples: int = 64) -> list[tuple[int, int, int]]:
         """(M, K, N) of the model's own matmuls: a full prefill step and a decode step's head."""
         q = self.heads * self.head_dim
@@ -127,6 +132,57 @@ def matmul_flops(shape: ModelShape, workload: list[Request]) -> float:
     decoder_tokens = sum(len(r.prompt_ids) + r.output_len - 1 for r in workload)
     sampled = sum(r.output_len for r in workload)
     return 2.0 * shape.layer_matmul_params * decoder_tokens + 2.0 * shape.lm_head_params * sampled
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The least time an engine with fp32 weights and K/V can take on a workload, given the
+    machine's GEMM peak and memory read bandwidth (a lower bound on any engine, not a model of
+    actorserve's). Parts, each in seconds:
+
+    prefill_s   every prompt token's matmul work, and each request's first lm_head row, at the
+                GEMM peak (prefill reads each weight once per thousands of tokens: compute-bound)
+    gemm_s      decode step k = 1 .. longest output - 1, every request still generating in one
+                batch (the schedule that reads the weights the fewest times): the step's matmul
+                work at the peak or its weights (decoder layers + lm_head) at the read bandwidth,
+                whichever is longer, since the weights stream in while the GEMMs run
+    kv_s        each decode step reads every row's K and V (prompt + k tokens, all layers) once, at
+                the read bandwidth; attention's own FLOPs are left out
+    """
+
+    prefill_s: float
+    gemm_s: float
+    kv_s: float
+
+    @property
+    def serial_s(self) -> float:
+        """K/V read after the step's GEMMs (a layer's attention needs its projections, the next
+        projection its output)."""
+        return self.prefill_s + self.gemm_s + self.kv_s
+
+    @property
+    def overlapped_s(self) -> float:
+        """K/V read entirely hidden under the GEMMs (an engine that overlaps one micro-batch's
+        attention with another's projections perfectly): the bound no schedule can beat."""
+        return self.prefill_s + max(self.gemm_s, self.kv_s)
+
+
+def fp32_floor(
+    shape: ModelShape, workload: list[Request], peak_flop_s: float, read_bytes_s: float
+) -> Floor:
+    """The workload's Floor (see there) on this machine's measured peak and read bandwidth."""
+    weight_bytes = 4.0 * (shape.layer_matmul_params + shape.lm_head_params)
+    decode_row_flops = 2.0 * (shape.layer_matmul_params + shape.lm_head_params)
+    prefill_flops = sum(
+        2.0 * shape.layer_matmul_params * len(r.prompt_ids) + 2.0 * shape.lm_head_params
+        for r in workload
+    )
+    gemm_s = kv_s = 0.0
+    for k in range(1, max((r.output_len for r in workload), default=0)):
+        contexts = [len(r.prompt_ids) + k for r in workload if r.output_len > k]
+        gemm_s += max(decode_row_flops * len(contexts) / peak_flop_s, weight_bytes / read_bytes_s)
+        kv_s += shape.kv_bytes_per_token * sum(contexts) / read_bytes_s
+    return Floor(prefill_flops / peak_flop_s, gemm_s, kv_s)
 
 
 # -- machine and roofline ---------------------------------------------------------------------
@@ -198,6 +254,29 @@ def measure_gemm_flops(
     result["peak"] = max(result.values())
     time.sleep(0.5)  # let the OpenMP pool stop spinning before other processes need the cores
     return result
+
+
+def streaming_read_gb_s(num_bytes: int, threads: int | None = None, slices: int = 4) -> float:
+    """Best of 8 sums over `num_bytes` of float32 that are not in cache (each read takes the next
+    of `slices` such buffers, so three others went through the caches since it was last read),
+    with `threads` torch threads (default: as set): what a read of a step's K/V from memory can
+    reach."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    n = max(1, num_bytes // 4)
+    x = torch.ones(slices * n)
+    best = float("inf")
+    try:
+        for i in range(2 * slices):
+            part = x[(i % slices) * n : (i % slices + 1) * n]
+            start = time.perf_counter()
+            part.sum()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    return num_bytes / best / 1e9
 
 
 def process_cpu_seconds() -> dict[str, float]:

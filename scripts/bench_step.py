@@ -183,23 +183,6 @@ def head_both_ways(model, rows: int, repeat: int) -> list[dict]:
     ]
 
 
-def streaming_read_gb_s(num_bytes: int, slices: int = 4) -> float:
-    """Best of 8 sums over `num_bytes` of float32 that are not in cache (each read takes the next
-    of `slices` such buffers, so three others went through the caches since it was last read),
-    with torch's threads: what a read of the step's K/V from memory can reach."""
-    import torch
-
-    n = max(1, num_bytes // 4)
-    x = torch.ones(slices * n)
-    best = float("inf")
-    for i in range(2 * slices):
-        part = x[(i % slices) * n : (i % slices + 1) * n]
-        start = time.perf_counter()
-        part.sum()
-        best = min(best, time.perf_counter() - start)
-    return num_bytes / best / 1e9
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_step", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo", help="checkpoint kind or directory")
@@ -274,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "table": "kv",
         "kv_mb_per_step": mean_kv / 1e6,
         "attention_gb_s": mean_kv / attention_s / 1e9,
-        "streaming_read_gb_s": streaming_read_gb_s(int(mean_kv)),
+        "streaming_read_gb_s": bc.streaming_read_gb_s(int(mean_kv)),
     }
     label = bc.model_label(args.model)
     title = (

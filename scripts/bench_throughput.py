@@ -19,7 +19,10 @@ tokens and outputs of 16-256 tokens, ignore_eos, greedy. It runs
 each in a fresh Python process (the workload is rebuilt there from the seed), and prints wall
 time, output and total tokens/s, actorserve's speed-up over each, and the fraction
 of the fp32 GEMM roofline: the workload's matmul work (bench_common.matmul_flops) / wall time /
-the best torch.mm FLOP/s measured on the model's own shapes in this run, same thread count.
+the best torch.mm FLOP/s measured on the model's own shapes in this run, same thread count;
+and how close each comes to the fp32 floor (bench_common.Floor): the least time any engine with
+fp32 weights and K/V could take on the workload at that GEMM peak and at the memory read speed
+measured in the run, which bounds the roofline fraction an fp32 engine can reach here.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ BACKENDS = ("actorserve", "hf-static", "hf-cb")
 # The 125M checkpoint is ~30x the matmul work per token: fewer requests keep the default run (both
 # checkpoints, all three backends) under ~10 minutes on 2 cores.
 DEFAULT_REQUESTS = {"demo": 64, "llama-125m": 8}
+READ_PROBE_BYTES = 64 << 20  # the order of a 64-decode step's K/V on the demo checkpoint
 
 
 def run_actorserve(model_dir: Path, workload: list[bc.Request], args) -> dict:
@@ -215,6 +219,7 @@ COLUMNS = [
     bc.Column("actorserve_speedup", "actorserve x", "{:.2f}"),
     bc.Column("matmul_gflop_s", "matmul GFLOP/s", "{:.1f}"),
     bc.Column("roofline_fraction", "of roofline", "{:.1%}"),
+    bc.Column("floor_fraction", "floor / wall", "{:.1%}"),
     bc.Column("greedy_match", "same tokens", "{:.0%}"),
 ]
 
@@ -225,6 +230,8 @@ def bench_model(name: str, args) -> list[dict]:
     n = args.num_requests or DEFAULT_REQUESTS.get(bc.model_label(name), 64)
     workload = make_workload(args, n, shape.vocab)
     gemm = bc.measure_gemm_flops(shape.gemm_shapes(), args.threads)
+    read_gb_s = bc.streaming_read_gb_s(READ_PROBE_BYTES, args.threads)
+    floor = bc.fp32_floor(shape, workload, gemm["peak"], read_gb_s * 1e9)
     work = bc.matmul_flops(shape, workload)
     prompt_tokens = sum(len(r.prompt_ids) for r in workload)
     print(
@@ -232,6 +239,14 @@ def bench_model(name: str, args) -> list[dict]:
         f"{sum(r.output_len for r in workload)} output tokens, {work / 1e9:.0f} GFLOP of matmul; "
         f"fp32 GEMM peak {gemm['peak'] / 1e9:.0f} GFLOP/s "
         f"({', '.join(f'{k} {v / 1e9:.0f}' for k, v in gemm.items() if k != 'peak')})",
+        flush=True,
+    )
+    print(
+        f"  fp32 floor at that peak and {read_gb_s:.1f} GB/s of memory reads: "
+        f"{floor.serial_s:.2f} s = {work / floor.serial_s / gemm['peak']:.1%} of the roofline "
+        f"(prefill {floor.prefill_s:.2f}, decode GEMMs {floor.gemm_s:.2f}, K/V reads "
+        f"{floor.kv_s:.2f}); {floor.overlapped_s:.2f} s = "
+        f"{work / floor.overlapped_s / gemm['peak']:.1%} with the K/V reads hidden under the GEMMs",
         flush=True,
     )
     rows = []
@@ -259,6 +274,10 @@ def bench_model(name: str, args) -> list[dict]:
                 "matmul_gflop_s": work / wall / 1e9,
                 "gemm_peak_gflop_s": gemm["peak"] / 1e9,
                 "roofline_fraction": work / wall / gemm["peak"],
+                "read_gb_s": read_gb_s,
+                "floor_s": floor.serial_s,
+                "floor_overlapped_s": floor.overlapped_s,
+                "floor_fraction": floor.serial_s / wall,
                 "threads": args.threads,
                 "wall_s_runs": [r["wall_s"] for r in runs],
             }
@@ -354,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         "matmul GFLOP = 2 x decoder-layer params x (prompt tokens + output tokens - 1 per "
         "request) + 2 x lm_head params x output tokens (attention and embedding left out); "
         "roofline = the best fp32 torch.mm FLOP/s on the model's shapes, measured in the run.",
+        "floor / wall = the fp32 floor's time (bench_common.Floor: matmul work at that peak, "
+        "weights and K/V at the memory read speed measured in the run, K/V after the GEMMs) "
+        "/ the row's wall time: the share of the best any fp32 engine can do here.",
         "actorserve x = actorserve's output tok/s / the row's; same tokens = requests whose "
         "greedy tokens equal the reference's (hf-static's, else hf-cb's).",
     ]

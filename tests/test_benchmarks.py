@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench_common as bc  # noqa: E402
+
+SHAPE = bc.ModelShape(
+    hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=50
+)
 
 
 def run_script(name: str, *args: str, json_path: Path) -> list[dict]:
@@ -77,3 +87,46 @@ def test_bench_overhead_splits_the_step_and_the_wait_between_steps_hop_by_hop(ll
     assert 0 < wait["mean_us"] < period["mean_us"]
     # most decode steps fit in the blocks their requests hold: no round trip (0 us)
     assert blocks["p50_us"] == 0 and 0 < blocks["block_round_trips"] < blocks["steps"] / 2
+
+
+def test_the_fp32_floor_with_free_memory_reads_is_the_matmul_work_at_the_peak():
+    workload = bc.make_workload(5, seed=1, prompt_len=(3, 9), output_len=(1, 6), vocab_size=50)
+    floor = bc.fp32_floor(SHAPE, workload, peak_flop_s=1e6, read_bytes_s=math.inf)
+    assert floor.kv_s == 0
+    assert floor.serial_s == pytest.approx(bc.matmul_flops(SHAPE, workload) / 1e6)
+
+
+def test_the_fp32_floor_of_one_request_reads_the_weights_and_its_kv_at_every_decode_step():
+    request = bc.Request(prompt_ids=[7] * 10, output_len=3)  # 2 decode steps: contexts 11, 12
+    weights = 4 * (SHAPE.layer_matmul_params + SHAPE.lm_head_params)
+    kv_per_token = 2 * 2 * 1 * 4 * 4  # layers x (K, V) x kv heads x head_dim x fp32
+    assert SHAPE.kv_bytes_per_token == kv_per_token
+    floor = bc.fp32_floor(SHAPE, [request], peak_flop_s=math.inf, read_bytes_s=1e3)
+    assert floor.prefill_s == 0
+    assert floor.gemm_s == pytest.approx(2 * weights / 1e3)
+    assert floor.kv_s == pytest.approx(kv_per_token * (11 + 12) / 1e3)
+    assert floor.serial_s == pytest.approx(floor.gemm_s + floor.kv_s)
+    assert floor.overlapped_s == pytest.approx(max(floor.gemm_s, floor.kv_s))
+
+
+@pytest.mark.slow
+def test_bench_throughput_runs_all_three_engines_on_one_workload_with_the_same_tokens(
+    llama_dir, tmp_path
+):
+    rows = run_script(
+        "bench_throughput.py", "--model", str(llama_dir), "--num-requests", "4",
+        "--max-prompt-len", "40", "--min-output-len", "4", "--max-output-len", "12", "--quiet",
+        json_path=tmp_path / "t.json",
+    )  # fmt: skip
+    by_backend = {r["backend"]: r for r in rows}
+    assert set(by_backend) == {"actorserve", "hf-static", "hf-cb"}
+    workload = bc.make_workload(4, 0, (16, 40), (4, 12), bc.ModelShape.read(llama_dir).vocab)
+    assert all(r["output_tokens"] == sum(w.output_len for w in workload) for r in rows)
+    assert all(r["greedy_match"] == 1.0 for r in rows)
+    assert by_backend["actorserve"]["actorserve_speedup"] == 1.0
+    for row in rows:
+        assert row["actorserve_speedup"] == pytest.approx(
+            by_backend["actorserve"]["output_tok_s"] / row["output_tok_s"]
+        )
+        assert 0 < row["floor_s"] and row["floor_overlapped_s"] <= row["floor_s"]
+        assert row["floor_fraction"] == pytest.approx(row["floor_s"] / row["wall_s"])
