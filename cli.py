@@ -269,8 +269,8 @@ BENCHMARKS = (
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run scripts/bench_NAME.py (or scripts/chaos.py) from the source tree with the rest of
-    the arguments: `actorserve bench throughput --json out.json`."""
-    import importlib.util
+    the arguments: `actorserve bench throughput --json out.json`, as `python PATH ...` would."""
+    import runpy
     from pathlib import Path
 
     scripts = Path(__file__).resolve().parent / "scripts"
@@ -281,10 +281,9 @@ def run_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    spec = importlib.util.spec_from_file_location(f"actorserve_bench_{args.name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(args.rest)
+    sys.argv = [str(path), *args.rest]
+    runpy.run_path(str(path), run_name="__main__")  # the script's sys.exit(main()) ends it
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

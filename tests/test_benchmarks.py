@@ -94,6 +94,7 @@ def test_the_fp32_floor_with_free_memory_reads_is_the_matmul_work_at_the_peak():
     floor = bc.fp32_floor(SHAPE, workload, peak_flop_s=1e6, read_bytes_s=math.inf)
     assert floor.kv_s == 0
     assert floor.serial_s == pytest.approx(bc.matmul_flops(SHAPE, workload) / 1e6)
+    assert floor.overlapped_s == pytest.approx(floor.serial_s)
 
 
 def test_the_fp32_floor_of_one_request_reads_the_weights_and_its_kv_at_every_decode_step():
@@ -106,7 +107,7 @@ def test_the_fp32_floor_of_one_request_reads_the_weights_and_its_kv_at_every_dec
     assert floor.gemm_s == pytest.approx(2 * weights / 1e3)
     assert floor.kv_s == pytest.approx(kv_per_token * (11 + 12) / 1e3)
     assert floor.serial_s == pytest.approx(floor.gemm_s + floor.kv_s)
-    assert floor.overlapped_s == pytest.approx(max(floor.gemm_s, floor.kv_s))
+    assert floor.overlapped_s == pytest.approx(floor.gemm_s + floor.kv_s)  # both bytes: no FLOPs
 
 
 @pytest.mark.slow
@@ -130,3 +131,25 @@ def test_bench_throughput_runs_all_three_engines_on_one_workload_with_the_same_t
         )
         assert 0 < row["floor_s"] and row["floor_overlapped_s"] <= row["floor_s"]
         assert row["floor_fraction"] == pytest.approx(row["floor_s"] / row["wall_s"])
+
+
+@pytest.mark.slow
+def test_actorserve_bench_serving_loads_both_doors_at_a_rate_and_a_concurrency(llama_dir, tmp_path):
+    plot, table = tmp_path / "serving.png", tmp_path / "serving.json"
+    command = [
+        sys.executable, "-m", "actorserve.cli", "bench", "serving", "--model", str(llama_dir),
+        "--rates", "4", "--concurrency", "2", "--num-requests", "4", "--min-prompt-len", "8",
+        "--max-prompt-len", "40", "--min-output-len", "4", "--max-output-len", "8",
+        "--plot", str(plot), "--json", str(table),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(table.read_text())
+    assert {(r["mode"], r["load"]) for r in rows} == {
+        (door, load) for door in ("sdk", "gateway") for load in ("rate 4/s", "concurrency 2")
+    }
+    for row in rows:
+        assert row["requests"] == 4 and row["failed"] == 0
+        assert 0 < row["ttft_p50_ms"] <= row["e2e_p50_ms"] and row["tpot_p50_ms"] > 0
+        assert row["output_throughput"] * row["duration_s"] >= 4 * 4  # every request's tokens
+    assert plot.read_bytes().startswith(b"\x89PNG")
