@@ -33,6 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import huge_pages
+
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
@@ -214,7 +216,8 @@ def pack_panels(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
     rows, cols = weight.shape
     padded = torch.zeros(-(-rows // width) * width, cols, dtype=torch.float32)
     padded[:rows] = weight
-    return padded.view(-1, width, cols).transpose(1, 2).contiguous()
+    panels = huge_pages.empty((padded.shape[0] // width, cols, width), torch.float32)
+    return panels.copy_(padded.view(-1, width, cols).transpose(1, 2))
 
 
 def panel_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import huge_pages
+
 
 class KVCache:
     def __init__(
@@ -24,13 +26,12 @@ class KVCache:
     ):
         self.num_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.layers = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in range(num_layers)
-        ]
+        def zeros():
+            if device.type == "cpu":
+                return huge_pages.zeros(shape, dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.layers = [(zeros(), zeros()) for _ in range(num_layers)]
         cpu_shape = (num_cpu_blocks, *shape[1:])
         pin = device.type == "cuda"
         self.cpu_layers = (
