@@ -9,7 +9,9 @@ max(dim=-1).indices, and that file's decode-sized Linear against torch's product
 
 from __future__ import annotations
 
+import fnmatch
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,6 +139,14 @@ def test_the_kernel_library_is_cached_by_content(tmp_path, monkeypatch):
     assert native.build() == first  # a second build finds the first one, compiling nothing
     assert first.stat().st_mtime_ns == built_at
     assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_an_installed_package_carries_every_file_the_kernel_library_is_built_from():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    patterns = project["tool"]["setuptools"]["package-data"]["actorserve.kernels"]
+    for source in native.SOURCES + native.HEADERS:
+        assert any(fnmatch.fnmatch(source.name, p) for p in patterns), source.name
 
 
 def _compiler_only_for_version(run):
