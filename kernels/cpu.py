@@ -145,11 +145,11 @@ class CpuAttention:
         scale: float,
     ) -> torch.Tensor:
         """Same contract as kernels.reference.paged_attention."""
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
-        gqa = q.shape[1] != num_kv_heads
         out = self._native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
         if out is not None:
             return out
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        gqa = q.shape[1] != num_kv_heads
         layout = self._step_layout(block_tables, seq_lens, query_start_loc, block_size)
         out = torch.empty_like(q)
         for g in layout.decode:

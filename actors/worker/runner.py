@@ -296,10 +296,10 @@ class ModelRunner:
         fused = None
         if plain:
             fused = self.model.greedy_tokens(sampled if every_plain else sampled[plain])
-        if fused is not None and every_plain:
-            return fused.tolist(), [], self._clock()
         if fused is None:  # no plain row, or no fused head on this device
             plain = []
+        elif every_plain:
+            return fused.tolist(), [], self._clock()
         taken = set(plain)
         other = [i for i in range(len(rows)) if i not in taken]
         tokens = [0] * len(rows)
