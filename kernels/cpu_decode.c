@@ -98,28 +98,34 @@ static void attend_64(ATTEND_ARGS) { (void)d; ATTEND_CALL(64); }
 static void attend_128(ATTEND_ARGS) { (void)d; ATTEND_CALL(128); }
 static void attend_any(ATTEND_ARGS) { ATTEND_CALL(d); }
 
-/* Returns 0, or -1 when a scratch buffer could not be allocated (out is then incomplete). */
-int decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-                     const int32_t *query_start_loc, int64_t num_seqs, int64_t block_size,
-                     int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                     float *out) {
-    const int64_t group = num_q_heads / num_kv_heads;
+/* The decode rows' work items in the order they are handed out: (context length << 32 | row),
+ * longest first; *count of them, *max_len the longest context. NULL when it cannot allocate. */
+int64_t *decode_order(const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
+                      int64_t *count, int64_t *max_len) {
     int64_t *order = malloc(sizeof(int64_t) * (num_seqs > 0 ? num_seqs : 1));
-    if (order == NULL) return -1;
-    int64_t count = 0, max_len = 1;
+    if (order == NULL) return NULL;
+    *count = 0, *max_len = 1;
     for (int64_t b = 0; b < num_seqs; b++)
         if (query_start_loc[b + 1] - query_start_loc[b] == 1) {
-            order[count++] = (int64_t)seq_lens[b] << 32 | b;
-            if (seq_lens[b] > max_len) max_len = seq_lens[b];
+            order[(*count)++] = (int64_t)seq_lens[b] << 32 | b;
+            if (seq_lens[b] > *max_len) *max_len = seq_lens[b];
         }
-    if (count == 0) { /* a step of prefill chunks only: no thread team, no scratch */
-        free(order);
-        return 0;
-    }
-    qsort(order, count, sizeof(int64_t), longest_first);
+    qsort(order, *count, sizeof(int64_t), longest_first);
+    return order;
+}
+
+/* Decode attention shared out among the threads of the enclosing parallel region, every one of
+ * which calls this (an orphaned `omp for`, dynamic, in `order`: decode_order), ending with them
+ * all at its barrier. Returns 0, or -1 when this thread's scratch could not be allocated. */
+int decode_attention_team(const float *q, const float *k_cache, const float *v_cache,
+                          const int32_t *block_tables, int64_t table_stride,
+                          const int32_t *seq_lens, const int32_t *query_start_loc,
+                          int64_t block_size, int64_t num_q_heads, int64_t num_kv_heads,
+                          int64_t head_dim, float scale, const int64_t *order, int64_t count,
+                          int64_t max_len, float *out) {
+    const int64_t group = num_q_heads / num_kv_heads;
 #if defined(_OPENMP)
-    const int64_t threads = omp_get_max_threads();
+    const int64_t threads = omp_get_num_threads();
 #else
     const int64_t threads = 1;
 #endif
@@ -128,23 +134,36 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
     const int64_t split = count >= 4 * threads ? 1 : num_kv_heads, nkv = num_kv_heads / split;
     void (*attend_d)(ATTEND_ARGS) =
         head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
-    int failed = 0;
-#pragma omp parallel reduction(| : failed)
-    {
-        float *scores = malloc(sizeof(float) * nkv * group * ROW(max_len));
-        if (scores == NULL) failed = 1;
+    float *scores = malloc(sizeof(float) * nkv * group * ROW(max_len));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < count * split; item++) {
-            if (scores == NULL) continue;
-            const int64_t b = order[item / split] & 0xffffffff;
-            const int64_t kvh = item % split * nkv;
-            const int64_t offset =
-                ((int64_t)query_start_loc[b] * num_q_heads + kvh * group) * head_dim;
-            attend_d(q + offset, k_cache, v_cache, block_tables + b * table_stride, seq_lens[b],
-                     block_size, num_kv_heads, kvh, nkv, head_dim, group, scale, scores,
-                     out + offset);
-        }
-        free(scores);
+    for (int64_t item = 0; item < count * split; item++) {
+        if (scores == NULL) continue;
+        const int64_t b = order[item / split] & 0xffffffff;
+        const int64_t kvh = item % split * nkv;
+        const int64_t offset = ((int64_t)query_start_loc[b] * num_q_heads + kvh * group) * head_dim;
+        attend_d(q + offset, k_cache, v_cache, block_tables + b * table_stride, seq_lens[b],
+                 block_size, num_kv_heads, kvh, nkv, head_dim, group, scale, scores, out + offset);
+    }
+    const int failed = scores == NULL;
+    free(scores);
+    return failed ? -1 : 0;
+}
+
+/* Returns 0, or -1 when a scratch buffer could not be allocated (out is then incomplete). */
+int decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                     const int32_t *query_start_loc, int64_t num_seqs, int64_t block_size,
+                     int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                     float *out) {
+    int64_t count, max_len;
+    int64_t *order = decode_order(seq_lens, query_start_loc, num_seqs, &count, &max_len);
+    if (order == NULL) return -1;
+    int failed = 0;
+    if (count > 0) { /* else a step of prefill chunks only: no thread team, no scratch */
+#pragma omp parallel reduction(| : failed)
+        failed = decode_attention_team(q, k_cache, v_cache, block_tables, table_stride, seq_lens,
+                                       query_start_loc, block_size, num_q_heads, num_kv_heads,
+                                       head_dim, scale, order, count, max_len, out) != 0;
     }
     free(order);
     return failed ? -1 : 0;

@@ -10,6 +10,14 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
                      const int32_t *query_start_loc, int64_t num_seqs, int64_t block_size,
                      int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                      float *out);
+int64_t *decode_order(const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
+                      int64_t *count, int64_t *max_len);
+int decode_attention_team(const float *q, const float *k_cache, const float *v_cache,
+                          const int32_t *block_tables, int64_t table_stride,
+                          const int32_t *seq_lens, const int32_t *query_start_loc,
+                          int64_t block_size, int64_t num_q_heads, int64_t num_kv_heads,
+                          int64_t head_dim, float scale, const int64_t *order, int64_t count,
+                          int64_t max_len, float *out);
 int panel_linear(const float *a, int64_t m, int64_t k, int64_t a_stride, const float *packed,
                  int64_t n, float *out);
 void rms_norm(const float *x, int64_t x_stride, const float *residual, const float *weight,

@@ -340,26 +340,34 @@ def kv_tensors(cache: PagedCache) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def test_the_decode_stack_gives_the_layer_by_layer_path_to_the_bit(models):
+@pytest.mark.parametrize("num_seqs", [4, 40])
+def test_the_decode_stack_gives_the_layer_by_layer_path_to_the_bit(models, num_seqs):
     """A step of decodes alone runs the whole decoder in one C call (kernels/cpu_decode_stack.c):
-    the same hidden states and the same K/V written as the layer-by-layer path, bit for bit."""
+    the same hidden states and the same K/V written as the layer-by-layer path, bit for bit.
+    4 sequences: each kernel shares its work out among the threads; 40 (at least 16 a thread):
+    each of 2 threads takes its own rows through every layer, attention shared between them."""
     _, _, _, path = models
     model, config = packed_for_cpu(path)
-    cache = PagedCache(model, config, num_blocks=40, seed=2)
+    cache = PagedCache(model, config, num_blocks=8 * num_seqs, seed=2)
     assert model.pack_decode_stack_for_cpu(cache.kv) == serves_decode_stack(config)
     if model.decode_stack is None:
         return  # biases or q/k norm: every step keeps the layer-by-layer path
-    lengths = {"a": 5, "b": 19, "c": 37, "d": 64}
-    cache.step({seq: random_prompt(n, i) for i, (seq, n) in enumerate(lengths.items())})
-    for i in range(3):
-        args = cache.inputs({seq: [100 + i] for seq in lengths})
-        stacked = model(*args)
-        written = [t.clone() for t in kv_tensors(cache)]
-        stack, model.decode_stack = model.decode_stack, None
-        layered = model(*args)  # writes the same slots again
-        model.decode_stack = stack
-        assert torch.equal(stacked, layered)
-        assert all(torch.equal(a, b) for a, b in zip(written, kv_tensors(cache)))
+    lengths = {f"s{i}": (5, 19, 37, 64, 90)[i % 5] + i for i in range(num_seqs)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cache.step({seq: random_prompt(n, i) for i, (seq, n) in enumerate(lengths.items())})
+        for i in range(3):
+            args = cache.inputs({seq: [100 + i] for seq in lengths})
+            stacked = model(*args)
+            written = [t.clone() for t in kv_tensors(cache)]
+            stack, model.decode_stack = model.decode_stack, None
+            layered = model(*args)  # writes the same slots again
+            model.decode_stack = stack
+            assert torch.equal(stacked, layered)
+            assert all(torch.equal(a, b) for a, b in zip(written, kv_tensors(cache)))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_decode_stack_matches_hf(models):
