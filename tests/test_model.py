@@ -389,15 +389,28 @@ def test_the_decode_stack_serves_only_the_caches_it_was_packed_over(checkpoint):
     assert torch.equal(first["p"], first["o"]) and torch.equal(decoded["p"], decoded["o"])
 
 
-def test_the_decode_stack_refuses_a_slot_position_or_token_past_its_tables(checkpoint):
+@pytest.mark.parametrize("num_seqs", [1, 40])
+def test_the_decode_stack_refuses_a_slot_position_or_token_past_its_tables(checkpoint, num_seqs):
+    """1 sequence: the kernels share each call out; 40 on 2 threads: each thread its own rows."""
     model, config = packed_for_cpu(checkpoint("tiny-llama"))
-    cache = PagedCache(model, config, num_blocks=4)
+    cache = PagedCache(model, config, num_blocks=4 * num_seqs)
     assert model.pack_decode_stack_for_cpu(cache.kv)
-    input_ids, positions, kv, meta = cache.inputs({"a": [7]})
-    with pytest.raises(IndexError, match="past the KV cache"):
-        model(input_ids, positions, kv, meta._replace(slot_mapping=torch.tensor([4 * BLOCK_SIZE])))
-    beyond = torch.tensor([config.max_position_embeddings])
+    input_ids, positions, kv, meta = cache.inputs({f"s{i}": [7] for i in range(num_seqs)})
+    past = meta.slot_mapping.clone()
+    past[-1] = 4 * num_seqs * BLOCK_SIZE
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(IndexError, match="past the KV cache"):
+            model(input_ids, positions, kv, meta._replace(slot_mapping=past))
+        model(input_ids, positions, kv, meta)  # the same step with its own slots still runs
+    finally:
+        torch.set_num_threads(threads)
+    beyond = positions.clone()
+    beyond[-1] = config.max_position_embeddings
     with pytest.raises(IndexError, match="past the rope tables"):
         model(input_ids, beyond, kv, meta)
+    unknown = input_ids.clone()
+    unknown[-1] = config.vocab_size
     with pytest.raises(IndexError, match="past the vocabulary"):
-        model(torch.tensor([config.vocab_size]), positions, kv, meta)
+        model(unknown, positions, kv, meta)
