@@ -117,6 +117,44 @@ static int after_attention(const stack_model *m, int64_t l, const stack_buffers 
     return panel_linear(act, n, I, I, layer->down, H, h) != 0 ? -1 : 0;
 }
 
+/* Rows [r0, r1) through every layer and the final norm into hidden. In a team (`order`: the
+ * decode rows' order, decode_order), every thread of the enclosing region calls this with its own
+ * rows, and each layer's attention over all rows is shared out among them between two barriers;
+ * alone (`order` NULL), attention runs in a region of its own. A thread whose work failed goes on
+ * meeting the others at every barrier. Returns 0 or the first error (see decode_stack). */
+static int run_layers(const stack_model *m, const stack_buffers *b, int64_t T, int64_t r0,
+                      int64_t r1, const int64_t *ids, const int64_t *positions,
+                      const int64_t *slots, const int32_t *block_tables, int64_t table_stride,
+                      const int32_t *seq_lens, const int32_t *query_start_loc,
+                      const int64_t *order, int64_t count, int64_t max_len, float *hidden) {
+    const int64_t H = m->hidden, hq = m->num_heads, hkv = m->num_kv_heads, D = m->head_dim;
+    const int rows = r0 < r1;
+    int status = 0;
+    if (rows) embed_rows(m, b, r0, r1, ids, positions);
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const stack_layer *layer = m->layers + l;
+        if (status == 0 && rows) status = before_attention(m, l, b, r0, r1, slots);
+        int failed = 0;
+        if (order != NULL) {
+#pragma omp barrier
+            failed = decode_attention_team(b->q, layer->k_cache, layer->v_cache, block_tables,
+                                           table_stride, seq_lens, query_start_loc,
+                                           m->block_size, hq, hkv, D, m->scale, order, count,
+                                           max_len, b->attn);
+        } else if (status == 0) {
+            failed = decode_attention(b->q, layer->k_cache, layer->v_cache, block_tables,
+                                      table_stride, seq_lens, query_start_loc, T, m->block_size,
+                                      hq, hkv, D, m->scale, b->attn);
+        }
+        if (failed && status == 0) status = -1;
+        if (status == 0 && rows) status = after_attention(m, l, b, r0, r1);
+    }
+    if (status == 0 && rows)
+        rms_norm(b->h + r0 * H, H, b->res + r0 * H, m->final_norm, m->eps, r1 - r0, H,
+                 hidden + r0 * H, b->res + r0 * H);
+    return status;
+}
+
 /* Where thread k's rows begin, bounds[0 .. parts]: as even as whole row blocks of ROW_ALIGN (the
  * panel GEMM's) allow. */
 #define ROW_ALIGN 8
@@ -152,7 +190,7 @@ int decode_stack(const stack_model *m, int64_t tokens, const int64_t *ids,
                  const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
                  int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
                  float *hidden) {
-    const int64_t T = tokens, H = m->hidden, hq = m->num_heads, D = m->head_dim;
+    const int64_t T = tokens;
     for (int64_t t = 0; t < T; t++) {
         if (positions[t] < 0 || positions[t] >= m->max_position) return -3;
         if (ids[t] < 0 || ids[t] >= m->vocab) return -4;
@@ -165,18 +203,8 @@ int decode_stack(const stack_model *m, int64_t tokens, const int64_t *ids,
     if (alloc_buffers(m, T, &b) != 0) return -1;
     int status = 0;
     if (parts < 2 || T < MIN_ROWS_PER_THREAD * parts) {
-        embed_rows(m, &b, 0, T, ids, positions);
-        for (int64_t l = 0; l < m->num_layers && status == 0; l++) {
-            const stack_layer *layer = m->layers + l;
-            status = before_attention(m, l, &b, 0, T, slots);
-            if (status == 0 &&
-                decode_attention(b.q, layer->k_cache, layer->v_cache, block_tables, table_stride,
-                                 seq_lens, query_start_loc, T, m->block_size, hq,
-                                 m->num_kv_heads, D, m->scale, b.attn) != 0)
-                status = -1;
-            if (status == 0) status = after_attention(m, l, &b, 0, T);
-        }
-        if (status == 0) rms_norm(b.h, H, b.res, m->final_norm, m->eps, T, H, hidden, b.res);
+        status = run_layers(m, &b, T, 0, T, ids, positions, slots, block_tables, table_stride,
+                            seq_lens, query_start_loc, NULL, 0, 0, hidden);
         free(b.h);
         return status;
     }
@@ -195,24 +223,8 @@ int decode_stack(const stack_model *m, int64_t tokens, const int64_t *ids,
 #endif
         int64_t r0 = bounds[k], r1 = bounds[k + 1];
         if (team < parts) r0 = k == 0 ? 0 : T, r1 = T; /* a smaller team: the first takes all */
-        status = 0; /* this thread's (the reduction's copy starts at INT_MAX) */
-        const int rows = r0 < r1;
-        if (rows) embed_rows(m, &b, r0, r1, ids, positions);
-        for (int64_t l = 0; l < m->num_layers; l++) {
-            const stack_layer *layer = m->layers + l;
-            if (status == 0 && rows) status = before_attention(m, l, &b, r0, r1, slots);
-#pragma omp barrier
-            if (decode_attention_team(b.q, layer->k_cache, layer->v_cache, block_tables,
-                                      table_stride, seq_lens, query_start_loc, m->block_size, hq,
-                                      m->num_kv_heads, D, m->scale, order, count, max_len,
-                                      b.attn) != 0 &&
-                status == 0)
-                status = -1;
-            if (status == 0 && rows) status = after_attention(m, l, &b, r0, r1);
-        }
-        if (status == 0 && rows)
-            rms_norm(b.h + r0 * H, H, b.res + r0 * H, m->final_norm, m->eps, r1 - r0, H,
-                     hidden + r0 * H, b.res + r0 * H);
+        status = run_layers(m, &b, T, r0, r1, ids, positions, slots, block_tables, table_stride,
+                            seq_lens, query_start_loc, order, count, max_len, hidden);
     }
     free(order);
     free(b.h);
