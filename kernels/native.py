@@ -4,8 +4,8 @@ cpu_store_kv.c (writing this step's K/V into it), cpu_argmax.c
 (greedy sampling's argmax), cpu_panel_gemm.c (decode-sized products against weights packed in
 panels: the projections' Linear, and the LM head with that argmax fused), cpu_elementwise.c
 (fused RMSNorm with its residual add, SiLU-and-multiply, RoPE) and cpu_decode_stack.c (a whole
-decode step through those kernels in one call; cpu_step_inputs.c, a decode step's flat inputs),
-with cpu_vec.h and cpu_kernels.h.
+decode step through those kernels in one call; cpu_step_inputs.c, a decode step's flat inputs;
+cpu_screen.c, greedy tokens from screened bf16 logits), with cpu_vec.h and cpu_kernels.h.
 
 Built with the machine's C compiler on first use (under a second on gcc) into a per-user cache,
 named by a hash of the source, the flags, the compiler and the CPU, so a changed file or another
@@ -49,6 +49,7 @@ SOURCES = tuple(
         "cpu_store_kv.c",
         "cpu_decode_stack.c",
         "cpu_step_inputs.c",
+        "cpu_screen.c",
     )
 )
 HEADERS = (HERE / "cpu_vec.h", HERE / "cpu_kernels.h", HERE / "cpu_attention.h")
@@ -132,6 +133,8 @@ def load() -> ctypes.CDLL | None:
     lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
     lib.greedy_head.restype = ctypes.c_int
     lib.greedy_head.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
+    lib.screened_argmax.restype = None
+    lib.screened_argmax.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_float, ptr]
     lib.panel_linear.restype = ctypes.c_int
     lib.panel_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
     lib.panel_width.restype = i64
@@ -250,6 +253,33 @@ def greedy_head(
     )
     if status != 0:
         raise MemoryError("greedy_head could not allocate its buffers")
+    return out
+
+
+def screened_argmax(
+    lib: ctypes.CDLL,
+    hidden: torch.Tensor,
+    approx: torch.Tensor,
+    weight: torch.Tensor,
+    col_norms: torch.Tensor,
+    factor: float,
+) -> torch.Tensor:
+    """hidden [N, H] fp32 (rows may be strided, columns contiguous), approx [N, V] bf16
+    (contiguous), weight [V, H] fp32 contiguous, col_norms [V] fp32 -> [N] int64: each row's
+    token, or -1 where the row needs the exact head (see cpu_screen.c)."""
+    out = torch.empty(hidden.shape[0], dtype=torch.int64)
+    lib.screened_argmax(
+        hidden.data_ptr(),
+        hidden.shape[0],
+        hidden.shape[1],
+        hidden.stride(0),
+        approx.data_ptr(),
+        approx.shape[1],
+        weight.data_ptr(),
+        col_norms.data_ptr(),
+        factor,
+        out.data_ptr(),
+    )
     return out
 
 

@@ -1,0 +1,170 @@
+/* Greedy sampling's argmax from screened logits (kernels/screened_head.py): each row of approx
+ * holds bf16 logits from a cheap product, each within bound_j = scale_r * col_norms[j] of the
+ * fp32 logit the exact head computes (the caller proves the bound). Every column whose exact
+ * logit can still be the row's maximum is a candidate:
+ *
+ *     approx_j + bound_j >= max over i of (approx_i - bound_i)
+ *
+ * (the exact maximum is at least the right side, a column below it on the left is below the
+ * maximum). The candidates' logits are then computed exactly, as the FMA chain over the hidden
+ * size from +0 in order that each lane of cpu_panel_gemm.c's tile computes, so the first maximum
+ * among them (ties to the smaller column) is greedy_head's token to the bit.
+ *
+ * bound_j also takes in what bf16 hardware flushes to zero (subnormals, at most 2^-126 a value).
+ * A row gets -1 instead (the caller runs the exact head on it) when its hidden state or an
+ * approx logit is not finite, or when more than MAX_CANDIDATES columns survive.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "cpu_attention.h" /* hmax */
+#include "cpu_vec.h"
+
+#define MAX_CANDIDATES 512
+
+typedef uint16_t vh __attribute__((vector_size(2 * VW)));
+typedef uint16_t vh_mem __attribute__((vector_size(2 * VW), aligned(2), may_alias));
+
+/* VW bf16 values -> fp32 (a bf16 is the top half of an fp32) */
+INLINE vf load_bf16(const uint16_t *p) {
+#if VW == 16
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16);
+#elif VW == 8 && defined(__AVX2__)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p)), 16);
+#else
+    const vi wide = __builtin_convertvector(*(const vh_mem *)p, vi);
+    return (vf)(wide << 16);
+#endif
+}
+
+INLINE float bf16_to_float(uint16_t x) {
+    union { uint32_t u; float f; } v = {(uint32_t)x << 16};
+    return v.f;
+}
+
+/* Whether any lane of a comparison's result is set. */
+INLINE int any_lane(vi mask) {
+#if VW == 16
+    return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask) != 0;
+#elif VW == 8
+    return !_mm256_testz_si256((__m256i)mask, (__m256i)mask);
+#else
+    int any = 0;
+    for (int l = 0; l < VW; l++) any |= mask[l];
+    return any;
+#endif
+}
+
+/* Exact logits of up to CHAINS columns at once (independent FMA chains, so their latencies
+ * overlap): each the FMA chain over i from +0 in order, as a lane of the panel GEMM's tile. */
+#define CHAINS 8
+static void exact_logits(const float *a, int64_t k, const float *weight, const int64_t *cols,
+                         int count, float *out) {
+    float acc[CHAINS] = {0};
+    const float *w[CHAINS];
+    for (int c = 0; c < count; c++) w[c] = weight + cols[c] * k;
+    for (int64_t i = 0; i < k; i++)
+        for (int c = 0; c < count; c++) acc[c] = fmaf(a[i], w[c][i], acc[c]);
+    for (int c = 0; c < count; c++) out[c] = acc[c];
+}
+
+#define BLOCK (16 * VW) /* columns whose largest upper bound pass 1 keeps for pass 2 */
+
+/* One row: its token, or -1 (see above). Pass 1 finds the threshold (the largest lower bound)
+ * and each block's largest upper bound; pass 2 looks for candidates only in the blocks that
+ * reach the threshold (a handful of the row's). */
+static int64_t screen_row(const float *a, int64_t k, const uint16_t *y, int64_t n,
+                          const float *weight, const float *col_norms, float c) {
+    double squares[4] = {0.0, 0.0, 0.0, 0.0}, largest = 0.0;
+    for (int64_t i = 0; i < k; i++) {
+        const double x = a[i];
+        squares[i % 4] += x * x;
+        largest = fabs(x) > largest ? fabs(x) : largest;
+    }
+    const double norm = sqrt(squares[0] + squares[1] + squares[2] + squares[3]);
+    /* rounded up: the bound may only grow */
+    const float scale = (float)(norm * (1.0 + 1e-6)) * c;
+    /* bf16 hardware flushes subnormal inputs, products and sums to zero: at most 2^-126 each */
+    const float flushed = (float)(k + 1) * 0x1p-126f * (float)(largest * 1.01 + 2.0);
+    if (!isfinite(scale)) return -1;
+    const vf s = splat(scale);
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+    float block_high[blocks];
+    vf low = splat(-INFINITY), finite = splat(0.0f);
+    float highest_low = -INFINITY;
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t j0 = b * BLOCK, j1 = j0 + BLOCK < n ? j0 + BLOCK : n;
+        const int64_t jv = j1 - (j1 - j0) % VW;
+        vf high0 = splat(-INFINITY), high1 = high0, low1 = low; /* two chains: latency */
+        int64_t j = j0;
+        for (; j + 2 * VW <= jv; j += 2 * VW) {
+            const vf y0 = load_bf16(y + j), y1 = load_bf16(y + j + VW);
+            const vf b0 = s * load(col_norms + j), b1 = s * load(col_norms + j + VW);
+            low = vmax(low, y0 - b0), low1 = vmax(low1, y1 - b1);
+            high0 = vmax(high0, y0 + b0), high1 = vmax(high1, y1 + b1);
+            finite += (y0 - y0) + (y1 - y1); /* NaN from then on when a value is inf or NaN */
+        }
+        for (; j < jv; j += VW) {
+            const vf y0 = load_bf16(y + j), b0 = s * load(col_norms + j);
+            low = vmax(low, y0 - b0), high0 = vmax(high0, y0 + b0);
+            finite += y0 - y0;
+        }
+        low = vmax(low, low1);
+        float high = hmax(vmax(high0, high1));
+        for (; j < j1; j++) {
+            const float yj = bf16_to_float(y[j]), bj = scale * col_norms[j];
+            if (!isfinite(yj)) return -1;
+            if (yj - bj > highest_low) highest_low = yj - bj;
+            if (yj + bj > high) high = yj + bj;
+        }
+        block_high[b] = high;
+    }
+    for (int l = 0; l < VW; l++) {
+        if (finite[l] != 0.0f) return -1;
+        if (low[l] > highest_low) highest_low = low[l];
+    }
+    const float threshold = highest_low - 2.0f * flushed; /* both sides' flushing */
+    int64_t candidates[MAX_CANDIDATES];
+    int count = 0;
+    const vf t = splat(threshold);
+    for (int64_t b = 0; b < blocks; b++) {
+        if (block_high[b] < threshold) continue;
+        const int64_t j0 = b * BLOCK, j1 = j0 + BLOCK < n ? j0 + BLOCK : n;
+        const int64_t jv = j1 - (j1 - j0) % VW;
+        int64_t j = j0;
+        for (; j < jv; j += VW) {
+            const vi keep = load_bf16(y + j) + s * load(col_norms + j) >= t;
+            if (!any_lane(keep)) continue;
+            for (int l = 0; l < VW; l++)
+                if (keep[l]) {
+                    if (count == MAX_CANDIDATES) return -1;
+                    candidates[count++] = j + l;
+                }
+        }
+        for (; j < j1; j++)
+            if (bf16_to_float(y[j]) + scale * col_norms[j] >= threshold) {
+                if (count == MAX_CANDIDATES) return -1;
+                candidates[count++] = j;
+            }
+    }
+    int64_t best_col = -1;
+    float best = -INFINITY;
+    for (int i0 = 0; i0 < count; i0 += CHAINS) {
+        const int group = count - i0 < CHAINS ? count - i0 : CHAINS;
+        float logits[CHAINS];
+        exact_logits(a, k, weight, candidates + i0, group, logits);
+        for (int i = 0; i < group; i++) /* columns in order: ties go to the first */
+            if (best_col < 0 || logits[i] > best) best = logits[i], best_col = candidates[i0 + i];
+    }
+    return best_col;
+}
+
+/* a [m, k] fp32 (rows a_stride apart), approx [m, n] bf16 bits, weight [n, k] fp32 row-major,
+ * col_norms [n] (each >= its weight row's 2-norm), c the bound's factor -> out[m] tokens or -1. */
+void screened_argmax(const float *a, int64_t m, int64_t k, int64_t a_stride,
+                     const uint16_t *approx, int64_t n, const float *weight,
+                     const float *col_norms, float c, int64_t *out) {
+#pragma omp parallel for schedule(static) if (m > 1)
+    for (int64_t r = 0; r < m; r++)
+        out[r] = screen_row(a + r * a_stride, k, approx + r * n, n, weight, col_norms, c);
+}

@@ -1,0 +1,101 @@
+"""Greedy tokens from the LM head at a fraction of its fp32 cost, with the fp32 head's result to
+the bit: screen every column with a bf16 product, then compute exactly the few that can still be
+a row's maximum.
+
+Why: at a decode step's 64 rows the demo's fp32 LM head ([32000, 256]) is a third of the step
+(about 3.4 ms of compute), and at a few rows it streams 33 MB of weight. On CPUs with bf16
+arithmetic (AVX512-BF16, AMX) oneDNN does the same product in bf16 in about 0.8 ms at 64 rows
+and 0.55 ms at one, from a 16 MB weight.
+
+Exactness. Let e_j be the fp32 logit the exact head (kernels.cpu.GreedyHead) computes for column
+j of a row a (hidden size k), and y_j the bf16 product's logit. With u = 2^-8 (bf16 rounding),
+g = k 2^-24 / (1 - k 2^-24) (fp32 accumulation of k terms in any order) and P_j = sum |a_i w_ij|:
+
+    |e_j - a.w_j|         <= g P_j                    (e_j: the exact head's FMA chain)
+    |a'.w'_j - a.w_j|     <= (2u + u^2) P_j           (a', w': a, w rounded to bf16)
+    |y~_j - a'.w'_j|      <= g (1 + u)^2 P_j          (y~_j: summed in fp32, products exact)
+    |y_j - y~_j|          <= u (1 + g) (1 + u)^2 P_j  (y_j: y~_j rounded to bf16)
+
+so |y_j - e_j| <= 0.0128 P_j for k <= 8192, and P_j <= |a| |w_j| (Cauchy-Schwarz). FACTOR =
+1/64 leaves room for the fp32 rounding of the screen's own arithmetic (cpu_screen.c): bound_j =
+FACTOR |a| |w_j|. A column whose exact logit equals the row's maximum always passes the screen,
+every candidate is recomputed as the exact head computes it, so the token (the first maximum) is
+the same. On the demo checkpoint 4-7 columns a row pass (of 32000); a row with a non-finite value
+or too many candidates goes to the exact head.
+
+Only where the CPU has bf16 arithmetic (elsewhere bf16 GEMMs are emulated, far slower than
+fp32), and not with ACTORSERVE_BF16_SCREEN=0 (for A/B runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import native
+from .cpu import GreedyHead
+
+FACTOR = 1.0 / 64.0
+MAX_HIDDEN = 8192  # the bound above holds up to this hidden size
+PACK_ROWS = 64  # oneDNN's packing hint: a step's sampling rows
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_has_bf16() -> bool:
+    """Whether this CPU does bf16 products in hardware (Linux /proc/cpuinfo flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return any(flag in line.split() for flag in BF16_FLAGS)
+    except OSError:
+        pass
+    return False
+
+
+class ScreenedGreedyHead:
+    """The LM head's greedy tokens: a bf16 screen, then exact fp32 logits of the survivors; rows
+    the screen cannot settle go to the exact head. Same tokens as `exact`, to the bit."""
+
+    def __init__(self, lib, weight: torch.Tensor, exact: GreedyHead) -> None:
+        weight = weight.detach()
+        self._lib = lib
+        self._exact = exact
+        self._weight = weight.contiguous()  # [V, H] row-major: the candidates' rows
+        norms = weight.double().norm(dim=1) * (1.0 + 1e-6)  # rounded up, as the bound needs
+        self._col_norms = norms.float().contiguous()
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), PACK_ROWS)
+
+    @classmethod
+    def for_weight(cls, weight: torch.Tensor, exact: GreedyHead | None, force: bool = False):
+        """The screened head over `exact`, or None where it cannot serve or would not be faster:
+        no exact head, no bf16 hardware (unless `force`), ACTORSERVE_BF16_SCREEN=0, no oneDNN,
+        a hidden size past MAX_HIDDEN, or a weight that is not finite."""
+        lib = native.load()
+        if exact is None or lib is None or os.environ.get("ACTORSERVE_BF16_SCREEN", "1") == "0":
+            return None
+        if not (force or cpu_has_bf16()) or not torch.backends.mkldnn.is_available():
+            return None
+        if weight.shape[1] > MAX_HIDDEN or not bool(torch.isfinite(weight).all()):
+            return None
+        try:
+            return cls(lib, weight, exact)
+        except (AttributeError, RuntimeError):  # torch without oneDNN's linear ops
+            return None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] fp32 -> [N] int64 token ids, as GreedyHead's."""
+        hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+        approx = torch.ops.mkldnn._linear_pointwise(
+            hidden.bfloat16(), self._packed, None, "none", [], ""
+        )
+        tokens = native.screened_argmax(
+            self._lib, hidden, approx, self._weight, self._col_norms, FACTOR
+        )
+        unsettled = (tokens < 0).nonzero().flatten()
+        if unsettled.numel():
+            tokens[unsettled] = self._exact(hidden[unsettled])
+        return tokens

@@ -1,0 +1,105 @@
+"""The screened greedy head (kernels/screened_head.py): a bf16 product screens the columns, the
+survivors are computed exactly, and the tokens are the exact fp32 head's to the bit: with ties,
+with rows the screen cannot settle, at every batch size."""
+
+import pytest
+import torch
+
+from actorserve.kernels import cpu, screened_head
+from actorserve.kernels.screened_head import FACTOR, ScreenedGreedyHead
+
+
+def heads(weight: torch.Tensor) -> tuple[cpu.GreedyHead, ScreenedGreedyHead]:
+    exact = cpu.GreedyHead.for_weight(weight)
+    assert exact is not None, "the C kernels failed to build here"
+    screened = ScreenedGreedyHead.for_weight(weight, exact, force=True)
+    assert screened is not None, "torch here has no oneDNN linear ops"
+    return exact, screened
+
+
+@pytest.mark.parametrize("hidden_size", [16, 256, 768])
+def test_the_bf16_logits_are_within_the_bound_of_the_exact_ones(hidden_size):
+    """The derivation's bound without the exact head's own rounding (0.0118 of |a| |w_j|), held
+    by oneDNN's bf16 product on logits far from zero and near it."""
+    gen = torch.Generator().manual_seed(hidden_size)
+    weight = torch.randn(3000, hidden_size, generator=gen) * 0.05
+    _, screened = heads(weight)
+    hidden = torch.randn(64, hidden_size, generator=gen) * torch.logspace(-3, 3, 64)[:, None]
+    approx = torch.ops.mkldnn._linear_pointwise(
+        hidden.bfloat16(), screened._packed, None, "none", [], ""
+    ).double()
+    true = hidden.double() @ weight.double().T
+    bound = 0.0118 * hidden.double().norm(dim=1, keepdim=True) * weight.double().norm(dim=1)
+    assert ((approx - true).abs() <= bound).all()
+    assert 0.0118 < FACTOR
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 100])
+@pytest.mark.parametrize("vocab", [1, 47, 5000])
+def test_the_screened_tokens_are_the_exact_heads(rows, vocab):
+    gen = torch.Generator().manual_seed(rows * vocab)
+    weight = torch.randn(vocab, 256, generator=gen) / 16
+    exact, screened = heads(weight)
+    hidden = torch.randn(rows, 256, generator=gen) * 4
+    assert torch.equal(screened(hidden), exact(hidden))
+    column_major = ScreenedGreedyHead.for_weight(weight.t().contiguous().t(), exact, force=True)
+    assert torch.equal(column_major(hidden), exact(hidden))  # as the Linear layers store it
+    wide = torch.randn(rows, 259, generator=gen)
+    assert torch.equal(screened(wide[:, 2:258]), exact(wide[:, 2:258]))  # strided rows
+
+
+def test_ties_at_the_maximum_go_to_the_first_column():
+    """Columns 3, 700 and 2999 are the same weight row: a row pointing along it has its maximum
+    three times, exactly, and must get column 3, as the exact head gives."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(3000, 256, generator=gen) / 16
+    weight[700] = weight[2999] = weight[3]
+    exact, screened = heads(weight)
+    hidden = weight[3].repeat(5, 1) * 50 + torch.randn(5, 256, generator=gen) * 0.01
+    tokens = screened(hidden)
+    assert torch.equal(tokens, exact(hidden))
+    assert (tokens == 3).all()
+
+
+def test_rows_the_screen_cannot_settle_get_the_exact_heads_token():
+    """A zero row (every column ties: all are candidates), a huge row (the bf16 product overflows)
+    and rows with inf or NaN go to the exact head, among ordinary rows."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(2000, 64, generator=gen)
+    exact, screened = heads(weight)
+    hidden = torch.randn(6, 64, generator=gen)
+    hidden[1] = 0.0
+    hidden[2] = 3e37
+    hidden[3, 5] = float("inf")
+    hidden[4, 9] = float("nan")
+    assert torch.equal(screened(hidden), exact(hidden))
+
+
+def test_a_row_with_more_candidates_than_the_screen_keeps_gets_the_exact_heads_token():
+    """3000 columns within the bound of each other, the maximum late among them (column 2500):
+    every column is a candidate, past what the screen keeps, and the row goes to the exact head."""
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(256, generator=gen)
+    weight = base.repeat(3000, 1) + torch.randn(3000, 256, generator=gen) * 1e-4
+    weight[2500] += base * 1e-3
+    exact, screened = heads(weight)
+    hidden = base.repeat(3, 1)
+    assert (exact(hidden) == 2500).all()
+    assert torch.equal(screened(hidden), exact(hidden))
+
+
+def test_it_serves_only_where_the_bound_and_the_machine_allow(monkeypatch):
+    weight = torch.randn(100, 32)
+    exact = cpu.GreedyHead.for_weight(weight)
+    assert ScreenedGreedyHead.for_weight(weight, None, force=True) is None
+    bad = weight.clone()
+    bad[7, 3] = float("inf")
+    assert ScreenedGreedyHead.for_weight(bad, exact, force=True) is None
+    wide = torch.randn(4, screened_head.MAX_HIDDEN + 1)
+    assert ScreenedGreedyHead.for_weight(wide, cpu.GreedyHead.for_weight(wide), force=True) is None
+    monkeypatch.setattr(screened_head, "cpu_has_bf16", lambda: False)
+    assert ScreenedGreedyHead.for_weight(weight, exact) is None
+    monkeypatch.setattr(screened_head, "cpu_has_bf16", lambda: True)
+    assert ScreenedGreedyHead.for_weight(weight, exact) is not None
+    monkeypatch.setenv("ACTORSERVE_BF16_SCREEN", "0")
+    assert ScreenedGreedyHead.for_weight(weight, exact, force=True) is None
