@@ -58,13 +58,13 @@ def test_matches_reference(attention, query_lens, seq_lens, heads, block_size):
     assert_matches(attention, make_batch(query_lens, seq_lens, block_size=block_size, **heads))
 
 
-@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("head_dim", [64, 72, 80, 128])  # 72: not whole 16-float vectors
 def test_head_sizes(attention, head_dim):
     batch = make_batch([1, 3, 1], [40, 19, 77], head_dim=head_dim, num_q_heads=8, num_kv_heads=2)
     assert_matches(attention, batch)
 
 
-@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("head_dim", [64, 72, 80, 128])  # 72: not whole 16-float vectors
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2)])
 def test_long_prefill_chunks_span_several_tiles(attention, head_dim, heads):
     # chunks of 16 and 17 tokens (a whole tile, one past it), 40 over a cached prefix, a decode
@@ -75,11 +75,14 @@ def test_long_prefill_chunks_span_several_tiles(attention, head_dim, heads):
     assert_matches(attention, batch)
 
 
-def test_each_prefill_row_is_the_decode_kernels_result_for_its_token():
+@pytest.mark.parametrize("head_dim", [64, 72, 128])
+def test_each_prefill_row_is_the_decode_kernels_result_for_its_token(head_dim):
     """A chunk's token at position p attends to positions 0..p: exactly a decode of that token
     over a context of p + 1 (cpu_prefill.c shares the decode kernel's arithmetic)."""
     lib = native.load()
-    batch = make_batch([40, 1, 23], [70, 12, 23], num_q_heads=6, num_kv_heads=2, seed=3)
+    batch = make_batch(
+        [40, 1, 23], [70, 12, 23], head_dim=head_dim, num_q_heads=6, num_kv_heads=2, seed=3
+    )
     q, k_cache, v_cache, tables, seq_lens, starts, scale = batch.args()
     out = torch.full_like(q, float("nan"))
     for rows in ("decode", "prefill"):
