@@ -58,13 +58,13 @@ INLINE int any_lane(vi mask) {
 /* Exact logits of up to CHAINS columns at once (independent FMA chains, so their latencies
  * overlap): each the FMA chain over i from +0 in order, as a lane of the panel GEMM's tile. */
 #define CHAINS 8
-static void exact_logits(const float *a, int64_t k, const float *weight, const int64_t *cols,
-                         int count, float *out) {
+static void exact_logits(const float *a, int64_t k, const float *weight, int64_t w_row,
+                         int64_t w_col, const int64_t *cols, int count, float *out) {
     float acc[CHAINS] = {0};
     const float *w[CHAINS];
-    for (int c = 0; c < count; c++) w[c] = weight + cols[c] * k;
+    for (int c = 0; c < count; c++) w[c] = weight + cols[c] * w_row;
     for (int64_t i = 0; i < k; i++)
-        for (int c = 0; c < count; c++) acc[c] = fmaf(a[i], w[c][i], acc[c]);
+        for (int c = 0; c < count; c++) acc[c] = fmaf(a[i], w[c][i * w_col], acc[c]);
     for (int c = 0; c < count; c++) out[c] = acc[c];
 }
 
@@ -74,7 +74,8 @@ static void exact_logits(const float *a, int64_t k, const float *weight, const i
  * and each block's largest upper bound; pass 2 looks for candidates only in the blocks that
  * reach the threshold (a handful of the row's). */
 static int64_t screen_row(const float *a, int64_t k, const uint16_t *y, int64_t n,
-                          const float *weight, const float *col_norms, float c) {
+                          const float *weight, int64_t w_row, int64_t w_col,
+                          const float *col_norms, float c) {
     double squares[4] = {0.0, 0.0, 0.0, 0.0}, largest = 0.0;
     for (int64_t i = 0; i < k; i++) {
         const double x = a[i];
@@ -152,19 +153,21 @@ static int64_t screen_row(const float *a, int64_t k, const uint16_t *y, int64_t 
     for (int i0 = 0; i0 < count; i0 += CHAINS) {
         const int group = count - i0 < CHAINS ? count - i0 : CHAINS;
         float logits[CHAINS];
-        exact_logits(a, k, weight, candidates + i0, group, logits);
+        exact_logits(a, k, weight, w_row, w_col, candidates + i0, group, logits);
         for (int i = 0; i < group; i++) /* columns in order: ties go to the first */
             if (best_col < 0 || logits[i] > best) best = logits[i], best_col = candidates[i0 + i];
     }
     return best_col;
 }
 
-/* a [m, k] fp32 (rows a_stride apart), approx [m, n] bf16 bits, weight [n, k] fp32 row-major,
- * col_norms [n] (each >= its weight row's 2-norm), c the bound's factor -> out[m] tokens or -1. */
+/* a [m, k] fp32 (rows a_stride apart), approx [m, n] bf16 bits, weight [n, k] fp32 (element
+ * (j, i) at weight[j * w_row + i * w_col]: any layout), col_norms [n] (each >= its weight row's
+ * 2-norm), c the bound's factor -> out[m] tokens or -1. */
 void screened_argmax(const float *a, int64_t m, int64_t k, int64_t a_stride,
-                     const uint16_t *approx, int64_t n, const float *weight,
-                     const float *col_norms, float c, int64_t *out) {
+                     const uint16_t *approx, int64_t n, const float *weight, int64_t w_row,
+                     int64_t w_col, const float *col_norms, float c, int64_t *out) {
 #pragma omp parallel for schedule(static) if (m > 1)
     for (int64_t r = 0; r < m; r++)
-        out[r] = screen_row(a + r * a_stride, k, approx + r * n, n, weight, col_norms, c);
+        out[r] = screen_row(a + r * a_stride, k, approx + r * n, n, weight, w_row, w_col,
+                            col_norms, c);
 }

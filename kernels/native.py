@@ -134,7 +134,8 @@ def load() -> ctypes.CDLL | None:
     lib.greedy_head.restype = ctypes.c_int
     lib.greedy_head.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
     lib.screened_argmax.restype = None
-    lib.screened_argmax.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ctypes.c_float, ptr]
+    lib.screened_argmax.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr]
+    lib.screened_argmax.argtypes += [ctypes.c_float, ptr]
     lib.panel_linear.restype = ctypes.c_int
     lib.panel_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
     lib.panel_width.restype = i64
@@ -265,7 +266,7 @@ def screened_argmax(
     factor: float,
 ) -> torch.Tensor:
     """hidden [N, H] fp32 (rows may be strided, columns contiguous), approx [N, V] bf16
-    (contiguous), weight [V, H] fp32 contiguous, col_norms [V] fp32 -> [N] int64: each row's
+    (contiguous), weight [V, H] fp32 (any strides), col_norms [V] fp32 -> [N] int64: each row's
     token, or -1 where the row needs the exact head (see cpu_screen.c)."""
     out = torch.empty(hidden.shape[0], dtype=torch.int64)
     lib.screened_argmax(
@@ -276,6 +277,8 @@ def screened_argmax(
         approx.data_ptr(),
         approx.shape[1],
         weight.data_ptr(),
+        weight.stride(0),
+        weight.stride(1),
         col_norms.data_ptr(),
         factor,
         out.data_ptr(),

@@ -64,7 +64,9 @@ class ScreenedGreedyHead:
         weight = weight.detach()
         self._lib = lib
         self._exact = exact
-        self._weight = weight.contiguous()  # [V, H] row-major: the candidates' rows
+        # [V, H] row-major: each candidate's row read in one stretch (a copy where the Linear
+        # keeps its weight column-major: read in place, 1.2 -> 1.7 ms a 64-row step)
+        self._weight = weight.contiguous()
         norms = weight.double().norm(dim=1) * (1.0 + 1e-6)  # rounded up, as the bound needs
         self._col_norms = norms.float().contiguous()
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), PACK_ROWS)

@@ -326,7 +326,7 @@ class CausalLM(nn.Module):
         - one for greedy_tokens: the LM head with the argmax fused in (kernels.cpu.GreedyHead),
           a third less time than the GEMM and a separate argmax at a step's rows; where the CPU
           has bf16 arithmetic, behind a bf16 screen with the same tokens (ScreenedGreedyHead,
-          a bf16 copy of the weight more);
+          a bf16 copy of the weight and a row-major one more);
         - one for compute_logits: from 8 to a few hundred rows oneDNN's packed fp32 GEMM is
           10-20% faster than MKL on the plain weight at the demo's [32000, 256], with the same
           result; one or two rows stay faster unpacked. It is torch's private op (what
