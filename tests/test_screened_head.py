@@ -5,7 +5,7 @@ with rows the screen cannot settle, at every batch size."""
 import pytest
 import torch
 
-from actorserve.kernels import cpu, screened_head
+from actorserve.kernels import cpu, native, screened_head
 from actorserve.kernels.screened_head import FACTOR, ScreenedGreedyHead
 
 
@@ -46,6 +46,23 @@ def test_the_screened_tokens_are_the_exact_heads(rows, vocab):
     assert torch.equal(column_major(hidden), exact(hidden))  # as the Linear layers store it
     wide = torch.randn(rows, 259, generator=gen)
     assert torch.equal(screened(wide[:, 2:258]), exact(wide[:, 2:258]))  # strided rows
+
+
+def test_the_screen_reads_the_weight_through_its_strides():
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(999, 64, generator=gen)
+    _, screened = heads(weight)
+    hidden = torch.randn(9, 64, generator=gen)
+    approx = torch.ops.mkldnn._linear_pointwise(
+        hidden.bfloat16(), screened._packed, None, "none", [], ""
+    )
+    lib, norms = native.load(), screened._col_norms
+    row_major = native.screened_argmax(lib, hidden, approx, weight, norms, FACTOR)
+    column_major = weight.t().contiguous().t()
+    assert torch.equal(
+        native.screened_argmax(lib, hidden, approx, column_major, norms, FACTOR), row_major
+    )
+    assert (row_major >= 0).all()
 
 
 def test_ties_at_the_maximum_go_to_the_first_column():
