@@ -88,6 +88,11 @@ class ScreenedGreedyHead:
         except (AttributeError, RuntimeError):  # torch without oneDNN's linear ops
             return None
 
+    @property
+    def exact(self) -> GreedyHead:
+        """The exact fp32 head behind the screen."""
+        return self._exact
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] fp32 -> [N] int64 token ids, as GreedyHead's."""
         hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()

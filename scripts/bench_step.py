@@ -82,7 +82,7 @@ def instrument(runner, timer: OpTimer) -> None:
             norm.forward = timer.wrap("RMSNorm (+ residual)", norm.forward)
     model.model.norm.forward = timer.wrap("RMSNorm (+ residual)", model.model.norm.forward)
     model.compute_logits = timer.wrap("lm_head", model.compute_logits)
-    model.greedy_tokens = timer.wrap("lm_head + greedy argmax (fused)", model.greedy_tokens)
+    model.greedy_tokens = timer.wrap("lm_head + greedy argmax (as served)", model.greedy_tokens)
     runner.prepare = timer.wrap("input preparation", runner.prepare)
     runner.sampler = timer.wrap("sampling", runner.sampler)
 
@@ -157,19 +157,28 @@ def served_both_ways(runner, rids: list[str], stack, warmup: int, steps: int) ->
 
 
 def head_both_ways(model, rows: int, repeat: int) -> list[dict]:
-    """Mean ms of the LM head and greedy sampling over `rows` hidden states: fused (None where it
-    does not serve) and unfused, alternated so that both see the same machine."""
+    """Mean ms of the LM head and greedy sampling over `rows` hidden states: as served (the bf16
+    screen in front of the fused fp32 head, where the CPU has bf16 arithmetic), the fused fp32
+    head alone, and unfused; alternated so that all see the same machine. The served ways must
+    give the unfused way's tokens (random hidden states: no ties)."""
     import torch
 
     from actorserve.kernels.cpu import argmax_rows
+    from actorserve.kernels.screened_head import ScreenedGreedyHead
 
     hidden = torch.randn(rows, model.config.hidden_size)
-    ways = {
-        "fused (cpu_panel_gemm.c)": model.greedy_tokens,
-        "GEMM + argmax_rows": lambda h: argmax_rows(model.compute_logits(h)),
-    }
-    if model.greedy_tokens(hidden) is None:
-        ways.pop("fused (cpu_panel_gemm.c)")
+    head = model._greedy_head
+    ways = {}
+    if isinstance(head, ScreenedGreedyHead):
+        ways["bf16 screen + exact fp32 (screened_head.py)"] = head
+        head = head.exact
+    if head is not None:
+        ways["fused fp32 (cpu_panel_gemm.c)"] = head
+    ways["GEMM + argmax_rows"] = lambda h: argmax_rows(model.compute_logits(h))
+    tokens = ways["GEMM + argmax_rows"](hidden)
+    for name, way in ways.items():
+        if not torch.equal(way(hidden), tokens):
+            raise SystemExit(f"{name}: not the unfused head's tokens")
     seconds = dict.fromkeys(ways, 0.0)
     for _ in range(repeat):
         for name, way in ways.items():
