@@ -13,7 +13,8 @@ def heads(weight: torch.Tensor) -> tuple[cpu.GreedyHead, ScreenedGreedyHead]:
     exact = cpu.GreedyHead.for_weight(weight)
     assert exact is not None, "the C kernels failed to build here"
     screened = ScreenedGreedyHead.for_weight(weight, exact, force=True)
-    assert screened is not None, "torch here has no oneDNN linear ops"
+    if screened is None:  # oneDNN's bf16 ops want AVX-512 (or AVX-NE-CONVERT) at least
+        pytest.skip("torch's oneDNN has no bf16 linear ops on this CPU")
     return exact, screened
 
 
@@ -107,7 +108,7 @@ def test_a_row_with_more_candidates_than_the_screen_keeps_gets_the_exact_heads_t
 
 def test_it_serves_only_where_the_bound_and_the_machine_allow(monkeypatch):
     weight = torch.randn(100, 32)
-    exact = cpu.GreedyHead.for_weight(weight)
+    exact, _ = heads(weight)
     assert ScreenedGreedyHead.for_weight(weight, None, force=True) is None
     bad = weight.clone()
     bad[7, 3] = float("inf")
