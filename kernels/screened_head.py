@@ -23,13 +23,17 @@ every candidate is recomputed as the exact head computes it, so the token (the f
 the same. On the demo checkpoint 4-7 columns a row pass (of 32000); a row with a non-finite value
 or too many candidates goes to the exact head.
 
-Only where the CPU has bf16 arithmetic (elsewhere bf16 GEMMs are emulated, far slower than
-fp32), and not with ACTORSERVE_BF16_SCREEN=0 (for A/B runs).
+The derivation assumes the bf16 product accumulates in fp32 (oneDNN's contract for bf16
+matmul); at load, holds_its_bound checks it keeps within BOUND on random rows, which catches a
+product that does something else (not the worst case a bf16 accumulation could reach). Only
+where the CPU has bf16 arithmetic (elsewhere bf16 GEMMs are emulated, far slower than fp32), and
+not with ACTORSERVE_BF16_SCREEN=0 (for A/B runs).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -37,7 +41,9 @@ import torch
 from . import native
 from .cpu import GreedyHead
 
-FACTOR = 1.0 / 64.0
+log = logging.getLogger(__name__)
+BOUND = 0.0128  # |y_j - e_j| <= BOUND |a| |w_j| (above)
+FACTOR = 1.0 / 64.0  # the screen's bound: BOUND and room for its own fp32 rounding
 MAX_HIDDEN = 8192  # the bound above holds up to this hidden size
 PACK_ROWS = 64  # oneDNN's packing hint: a step's sampling rows
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -84,9 +90,35 @@ class ScreenedGreedyHead:
         if weight.shape[1] > MAX_HIDDEN or not bool(torch.isfinite(weight).all()):
             return None
         try:
-            return cls(lib, weight, exact)
+            head = cls(lib, weight, exact)
         except (AttributeError, RuntimeError):  # torch without oneDNN's linear ops
             return None
+        if not head.holds_its_bound():
+            log.warning("the bf16 product here exceeds the screen's bound: exact LM head only")
+            return None
+        return head
+
+    def approx_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] fp32 -> the screen's bf16 logits [N, V]."""
+        return torch.ops.mkldnn._linear_pointwise(
+            hidden.bfloat16(), self._packed, None, "none", [], ""
+        )
+
+    def holds_its_bound(self, rows: int = 8, columns: int = 4096) -> bool:
+        """Whether this machine's bf16 product keeps within BOUND |a| |w_j| of the true logits
+        on random rows of scales 1e-2 to 1e2, over up to `columns` columns spread across the
+        vocabulary (the derivation assumes fp32 accumulation, oneDNN's contract; checked once,
+        at load)."""
+        gen = torch.Generator().manual_seed(0)
+        vocab, hidden_size = self._weight.shape
+        hidden = torch.randn(rows, hidden_size, generator=gen)
+        hidden *= torch.logspace(-2, 2, rows)[:, None]
+        picked = torch.linspace(0, vocab - 1, min(vocab, columns)).long().unique()
+        true = hidden.double() @ self._weight[picked].double().T
+        error = (self.approx_logits(hidden)[:, picked].double() - true).abs()
+        norms = self._col_norms[picked].double()
+        bound = BOUND * hidden.double().norm(dim=1, keepdim=True) * norms
+        return bool((error <= bound).all())
 
     @property
     def exact(self) -> GreedyHead:
@@ -96,9 +128,7 @@ class ScreenedGreedyHead:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] fp32 -> [N] int64 token ids, as GreedyHead's."""
         hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
-        approx = torch.ops.mkldnn._linear_pointwise(
-            hidden.bfloat16(), self._packed, None, "none", [], ""
-        )
+        approx = self.approx_logits(hidden)
         tokens = native.screened_argmax(
             self._lib, hidden, approx, self._weight, self._col_norms, FACTOR
         )

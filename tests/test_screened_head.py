@@ -26,13 +26,12 @@ def test_the_bf16_logits_are_within_the_bound_of_the_exact_ones(hidden_size):
     weight = torch.randn(3000, hidden_size, generator=gen) * 0.05
     _, screened = heads(weight)
     hidden = torch.randn(64, hidden_size, generator=gen) * torch.logspace(-3, 3, 64)[:, None]
-    approx = torch.ops.mkldnn._linear_pointwise(
-        hidden.bfloat16(), screened._packed, None, "none", [], ""
-    ).double()
+    approx = screened.approx_logits(hidden).double()
     true = hidden.double() @ weight.double().T
     bound = 0.0118 * hidden.double().norm(dim=1, keepdim=True) * weight.double().norm(dim=1)
     assert ((approx - true).abs() <= bound).all()
-    assert 0.0118 < FACTOR
+    assert 0.0118 < screened_head.BOUND < FACTOR
+    assert screened.holds_its_bound()
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 100])
@@ -54,9 +53,7 @@ def test_the_screen_reads_the_weight_through_its_strides():
     weight = torch.randn(999, 64, generator=gen)
     _, screened = heads(weight)
     hidden = torch.randn(9, 64, generator=gen)
-    approx = torch.ops.mkldnn._linear_pointwise(
-        hidden.bfloat16(), screened._packed, None, "none", [], ""
-    )
+    approx = screened.approx_logits(hidden)
     lib, norms = native.load(), screened._col_norms
     row_major = native.screened_argmax(lib, hidden, approx, weight, norms, FACTOR)
     column_major = weight.t().contiguous().t()
@@ -119,5 +116,7 @@ def test_it_serves_only_where_the_bound_and_the_machine_allow(monkeypatch):
     assert ScreenedGreedyHead.for_weight(weight, exact) is None
     monkeypatch.setattr(screened_head, "cpu_has_bf16", lambda: True)
     assert ScreenedGreedyHead.for_weight(weight, exact) is not None
+    monkeypatch.setattr(ScreenedGreedyHead, "holds_its_bound", lambda self: False)
+    assert ScreenedGreedyHead.for_weight(weight, exact, force=True) is None
     monkeypatch.setenv("ACTORSERVE_BF16_SCREEN", "0")
     assert ScreenedGreedyHead.for_weight(weight, exact, force=True) is None
