@@ -22,7 +22,6 @@
 
 #define MAX_CANDIDATES 512
 
-typedef uint16_t vh __attribute__((vector_size(2 * VW)));
 typedef uint16_t vh_mem __attribute__((vector_size(2 * VW), aligned(2), may_alias));
 
 /* VW bf16 values -> fp32 (a bf16 is the top half of an fp32) */
@@ -55,6 +54,15 @@ INLINE int any_lane(vi mask) {
 #endif
 }
 
+/* One step of a lane's chain as cpu_vec.h's fmadd computes it: fused where the target has FMA. */
+INLINE float fmadd1(float a, float b, float c) {
+#if VW == 16 || (VW == 8 && defined(__FMA__))
+    return fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
 /* Exact logits of up to CHAINS columns at once (independent FMA chains, so their latencies
  * overlap): each the FMA chain over i from +0 in order, as a lane of the panel GEMM's tile. */
 #define CHAINS 8
@@ -64,7 +72,7 @@ static void exact_logits(const float *a, int64_t k, const float *weight, int64_t
     const float *w[CHAINS];
     for (int c = 0; c < count; c++) w[c] = weight + cols[c] * w_row;
     for (int64_t i = 0; i < k; i++)
-        for (int c = 0; c < count; c++) acc[c] = fmaf(a[i], w[c][i * w_col], acc[c]);
+        for (int c = 0; c < count; c++) acc[c] = fmadd1(a[i], w[c][i * w_col], acc[c]);
     for (int c = 0; c < count; c++) out[c] = acc[c];
 }
 
