@@ -170,12 +170,16 @@ static int64_t screen_row(const float *a, int64_t k, const uint16_t *y, int64_t 
 
 /* a [m, k] fp32 (rows a_stride apart), approx [m, n] bf16 bits, weight [n, k] fp32 (element
  * (j, i) at weight[j * w_row + i * w_col]: any layout), col_norms [n] (each >= its weight row's
- * 2-norm), c the bound's factor -> out[m] tokens or -1. */
-void screened_argmax(const float *a, int64_t m, int64_t k, int64_t a_stride,
-                     const uint16_t *approx, int64_t n, const float *weight, int64_t w_row,
-                     int64_t w_col, const float *col_norms, float c, int64_t *out) {
-#pragma omp parallel for schedule(static) if (m > 1)
-    for (int64_t r = 0; r < m; r++)
+ * 2-norm), c the bound's factor -> out[m] tokens or -1; returns how many rows got -1. */
+int64_t screened_argmax(const float *a, int64_t m, int64_t k, int64_t a_stride,
+                        const uint16_t *approx, int64_t n, const float *weight, int64_t w_row,
+                        int64_t w_col, const float *col_norms, float c, int64_t *out) {
+    int64_t unsettled = 0;
+#pragma omp parallel for schedule(static) if (m > 1) reduction(+ : unsettled)
+    for (int64_t r = 0; r < m; r++) {
         out[r] = screen_row(a + r * a_stride, k, approx + r * n, n, weight, w_row, w_col,
                             col_norms, c);
+        unsettled += out[r] < 0;
+    }
+    return unsettled;
 }

@@ -133,7 +133,7 @@ def load() -> ctypes.CDLL | None:
     lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
     lib.greedy_head.restype = ctypes.c_int
     lib.greedy_head.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
-    lib.screened_argmax.restype = None
+    lib.screened_argmax.restype = i64
     lib.screened_argmax.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr]
     lib.screened_argmax.argtypes += [ctypes.c_float, ptr]
     lib.panel_linear.restype = ctypes.c_int
@@ -264,12 +264,12 @@ def screened_argmax(
     weight: torch.Tensor,
     col_norms: torch.Tensor,
     factor: float,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, int]:
     """hidden [N, H] fp32 (rows may be strided, columns contiguous), approx [N, V] bf16
-    (contiguous), weight [V, H] fp32 (any strides), col_norms [V] fp32 -> [N] int64: each row's
-    token, or -1 where the row needs the exact head (see cpu_screen.c)."""
+    (contiguous), weight [V, H] fp32 (any strides), col_norms [V] fp32 -> ([N] int64: each row's
+    token, or -1 where the row needs the exact head; how many rows got -1) (see cpu_screen.c)."""
     out = torch.empty(hidden.shape[0], dtype=torch.int64)
-    lib.screened_argmax(
+    unsettled = lib.screened_argmax(
         hidden.data_ptr(),
         hidden.shape[0],
         hidden.shape[1],
@@ -283,7 +283,7 @@ def screened_argmax(
         factor,
         out.data_ptr(),
     )
-    return out
+    return out, unsettled
 
 
 def rms_norm(

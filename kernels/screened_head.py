@@ -129,10 +129,10 @@ class ScreenedGreedyHead:
         """hidden [N, H] fp32 -> [N] int64 token ids, as GreedyHead's."""
         hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
         approx = self.approx_logits(hidden)
-        tokens = native.screened_argmax(
+        tokens, unsettled = native.screened_argmax(
             self._lib, hidden, approx, self._weight, self._col_norms, FACTOR
         )
-        unsettled = (tokens < 0).nonzero().flatten()
-        if unsettled.numel():
-            tokens[unsettled] = self._exact(hidden[unsettled])
+        if unsettled:  # rare: the common step makes no more torch calls
+            rows = (tokens < 0).nonzero().flatten()
+            tokens[rows] = self._exact(hidden[rows])
         return tokens

@@ -55,12 +55,12 @@ def test_the_screen_reads_the_weight_through_its_strides():
     hidden = torch.randn(9, 64, generator=gen)
     approx = screened.approx_logits(hidden)
     lib, norms = native.load(), screened._col_norms
-    row_major = native.screened_argmax(lib, hidden, approx, weight, norms, FACTOR)
+    row_major, unsettled = native.screened_argmax(lib, hidden, approx, weight, norms, FACTOR)
     column_major = weight.t().contiguous().t()
     assert torch.equal(
-        native.screened_argmax(lib, hidden, approx, column_major, norms, FACTOR), row_major
+        native.screened_argmax(lib, hidden, approx, column_major, norms, FACTOR)[0], row_major
     )
-    assert (row_major >= 0).all()
+    assert (row_major >= 0).all() and unsettled == 0
 
 
 def test_ties_at_the_maximum_go_to_the_first_column():
@@ -88,6 +88,11 @@ def test_rows_the_screen_cannot_settle_get_the_exact_heads_token():
     hidden[3, 5] = float("inf")
     hidden[4, 9] = float("nan")
     assert torch.equal(screened(hidden), exact(hidden))
+    approx = screened.approx_logits(hidden)
+    tokens, unsettled = native.screened_argmax(
+        native.load(), hidden, approx, weight, screened._col_norms, FACTOR
+    )
+    assert unsettled == int((tokens < 0).sum()) and (tokens[[1, 3, 4]] == -1).all()
 
 
 def test_a_row_with_more_candidates_than_the_screen_keeps_gets_the_exact_heads_token():
