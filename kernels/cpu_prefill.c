@@ -99,8 +99,8 @@ INLINE void transpose_chunk(const float *restrict k, int n, int64_t stride, int6
  * the same to the bit. There, lane l of a key's accumulator holds the FMA chain over q[l] k[l],
  * q[l + VW] k[l + VW], ..., and transpose_add sums the VW lanes pairwise in order, ((0 + 1) +
  * (2 + 3)) + ...; here vector l holds that chain for every key of the chunk at once (a lane a
- * key), and the same pairwise sums run across the VW vectors (a binary counter: level[k] holds
- * the sum of the last whole group of 2^k vectors). No shuffles, and each key vector loaded
+ * key), and the same pairwise sums run across the VW vectors (a binary counter: level[x][b]
+ * holds row x's sum of the last whole group of 2^b vectors). No shuffles, and each key vector loaded
  * serves nq rows. */
 INLINE void chunk_scores_t(int nq, const float *const *q, const float *restrict kt, int64_t d,
                            float scale, float *const *s) {

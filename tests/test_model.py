@@ -7,6 +7,7 @@ standard deviation 4-8); fp32 op-order noise measures ~4e-5 and the greedy top1-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -32,13 +33,22 @@ def checkpoint():
     return ensure_checkpoint
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch (and the C kernels, on the same OpenMP runtime) on n threads, then back."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
     """Tiny matmuls gain nothing from a second thread and lose much when the cores are busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -353,9 +363,7 @@ def test_the_decode_stack_gives_the_layer_by_layer_path_to_the_bit(models, num_s
     if model.decode_stack is None:
         return  # biases or q/k norm: every step keeps the layer-by-layer path
     lengths = {f"s{i}": (5, 19, 37, 64, 90)[i % 5] + i for i in range(num_seqs)}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         cache.step({seq: random_prompt(n, i) for i, (seq, n) in enumerate(lengths.items())})
         for i in range(3):
             args = cache.inputs({seq: [100 + i] for seq in lengths})
@@ -366,8 +374,6 @@ def test_the_decode_stack_gives_the_layer_by_layer_path_to_the_bit(models, num_s
             model.decode_stack = stack
             assert torch.equal(stacked, layered)
             assert all(torch.equal(a, b) for a, b in zip(written, kv_tensors(cache)))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_the_decode_stack_matches_hf(models):
@@ -398,14 +404,10 @@ def test_the_decode_stack_refuses_a_slot_position_or_token_past_its_tables(check
     input_ids, positions, kv, meta = cache.inputs({f"s{i}": [7] for i in range(num_seqs)})
     past = meta.slot_mapping.clone()
     past[-1] = 4 * num_seqs * BLOCK_SIZE
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         with pytest.raises(IndexError, match="past the KV cache"):
             model(input_ids, positions, kv, meta._replace(slot_mapping=past))
         model(input_ids, positions, kv, meta)  # the same step with its own slots still runs
-    finally:
-        torch.set_num_threads(threads)
     beyond = positions.clone()
     beyond[-1] = config.max_position_embeddings
     with pytest.raises(IndexError, match="past the rope tables"):
