@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "cpu_attention.h" /* hmax */
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 #define MAX_CANDIDATES 512
@@ -41,19 +42,6 @@ INLINE float bf16_to_float(uint16_t x) {
     return v.f;
 }
 
-/* Whether any lane of a comparison's result is set. */
-INLINE int any_lane(vi mask) {
-#if VW == 16
-    return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask) != 0;
-#elif VW == 8
-    return !_mm256_testz_si256((__m256i)mask, (__m256i)mask);
-#else
-    int any = 0;
-    for (int l = 0; l < VW; l++) any |= mask[l];
-    return any;
-#endif
-}
-
 /* One step of a lane's chain as cpu_vec.h's fmadd computes it: fused where the target has FMA. */
 INLINE float fmadd1(float a, float b, float c) {
 #if VW == 16 || (VW == 8 && defined(__FMA__))
@@ -65,9 +53,8 @@ INLINE float fmadd1(float a, float b, float c) {
 
 /* Exact logits of up to CHAINS columns at once (independent FMA chains, so their latencies
  * overlap): each the FMA chain over i from +0 in order, as a lane of the panel GEMM's tile. */
-#define CHAINS 8
-static void exact_logits(const float *a, int64_t k, const float *weight, int64_t w_row,
-                         int64_t w_col, const int64_t *cols, int count, float *out) {
+void exact_logits(const float *a, int64_t k, const float *weight, int64_t w_row, int64_t w_col,
+                  const int64_t *cols, int count, float *out) {
     float acc[CHAINS] = {0};
     const float *w[CHAINS];
     for (int c = 0; c < count; c++) w[c] = weight + cols[c] * w_row;

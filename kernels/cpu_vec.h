@@ -54,6 +54,19 @@ INLINE vf fmadd(vf a, vf b, vf c) { /* a * b + c */
 #endif
 }
 
+/* Whether any lane of a comparison's result is set. */
+INLINE int any_lane(vi mask) {
+#if VW == 16
+    return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask) != 0;
+#elif VW == 8
+    return !_mm256_testz_si256((__m256i)mask, (__m256i)mask);
+#else
+    int any = 0;
+    for (int l = 0; l < VW; l++) any |= mask[l];
+    return any;
+#endif
+}
+
 /* exp(x) for x <= 0 (-inf included: gives 0), Cephes' expf polynomial: within 2 ulp of expf
  * down to x = -87.3; below that (where expf goes subnormal) 0. */
 INLINE vf vexp(vf x) {

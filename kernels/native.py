@@ -50,6 +50,7 @@ SOURCES = tuple(
         "cpu_decode_stack.c",
         "cpu_step_inputs.c",
         "cpu_screen.c",
+        "cpu_screen_int8.c",
     )
 )
 HEADERS = (HERE / "cpu_vec.h", HERE / "cpu_kernels.h", HERE / "cpu_attention.h")
@@ -136,6 +137,11 @@ def load() -> ctypes.CDLL | None:
     lib.screened_argmax.restype = i64
     lib.screened_argmax.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr]
     lib.screened_argmax.argtypes += [ctypes.c_float, ptr]
+    lib.int8_screen_available.restype = i64
+    lib.int8_screen_available.argtypes = []
+    lib.int8_screened_argmax.restype = i64
+    lib.int8_screened_argmax.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr]
+    lib.int8_screened_argmax.argtypes += [ctypes.c_float, ctypes.c_float, ptr, i64, i64, ptr]
     lib.panel_linear.restype = ctypes.c_int
     lib.panel_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
     lib.panel_width.restype = i64
@@ -284,6 +290,42 @@ def screened_argmax(
         out.data_ptr(),
     )
     return out, unsettled
+
+
+def int8_screened_argmax(
+    lib: ctypes.CDLL,
+    hidden: torch.Tensor,
+    packed: torch.Tensor,
+    vocab: int,
+    column_terms: torch.Tensor,
+    largest: tuple[float, float],
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, int] | None:
+    """hidden [N, H] fp32 (rows may be strided, columns contiguous), packed [blocks, kpad / 64,
+    16, 16, 4] int8, column_terms [3, >= vocab] fp32 (scales, residual norms, int8 norms) and
+    `largest` the largest residual and int8 norms, weight [vocab, H] fp32 (any strides) -> ([N]
+    int64 tokens, -1 where a row needs the exact head; how many rows got -1), or None where
+    this build or process has no AMX (see cpu_screen_int8.c)."""
+    out = torch.empty(hidden.shape[0], dtype=torch.int64)
+    scale, res, norm = column_terms
+    unsettled = lib.int8_screened_argmax(
+        hidden.data_ptr(),
+        hidden.shape[0],
+        hidden.shape[1],
+        hidden.stride(0),
+        packed.data_ptr(),
+        vocab,
+        packed.shape[1] * 64,
+        scale.data_ptr(),
+        res.data_ptr(),
+        norm.data_ptr(),
+        *largest,
+        weight.data_ptr(),
+        weight.stride(0),
+        weight.stride(1),
+        out.data_ptr(),
+    )
+    return (out, unsettled) if unsettled >= 0 else None
 
 
 def rms_norm(

@@ -157,23 +157,32 @@ def served_both_ways(runner, rids: list[str], stack, warmup: int, steps: int) ->
 
 
 def head_both_ways(model, rows: int, repeat: int) -> list[dict]:
-    """Mean ms of the LM head and greedy sampling over `rows` hidden states: as served (the bf16
-    screen in front of the fused fp32 head, where the CPU has bf16 arithmetic), the fused fp32
-    head alone, and unfused; alternated so that all see the same machine. The served ways must
-    give the unfused way's tokens (random hidden states: no ties)."""
+    """Mean ms of the LM head and greedy sampling over `rows` hidden states: behind the int8
+    screen (served where the CPU has AMX), behind the bf16 screen (served where it has bf16
+    arithmetic but no AMX), the fused fp32 head alone, and unfused; each where this machine has
+    it, alternated so that all see the same machine. Every way must give the unfused way's
+    tokens (random hidden states: no ties)."""
     import torch
 
     from actorserve.kernels.cpu import argmax_rows
     from actorserve.kernels.screened_head import ScreenedGreedyHead
+    from actorserve.kernels.screened_head_int8 import Int8ScreenedHead
 
     hidden = torch.randn(rows, model.config.hidden_size)
-    head = model._greedy_head
+    served = model._greedy_head
+    exact = getattr(served, "exact", served)
     ways = {}
-    if isinstance(head, ScreenedGreedyHead):
-        ways["bf16 screen + exact fp32 (screened_head.py)"] = head
-        head = head.exact
-    if head is not None:
-        ways["fused fp32 (cpu_panel_gemm.c)"] = head
+    if exact is not None:
+        weight = model._lm_head_weight()
+        screens = {
+            "int8 screen + exact fp32 (screened_head_int8.py)": Int8ScreenedHead,
+            "bf16 screen + exact fp32 (screened_head.py)": ScreenedGreedyHead,
+        }
+        for name, screen in screens.items():
+            head = served if isinstance(served, screen) else screen.for_weight(weight, exact)
+            if head is not None:
+                ways[name] = head
+        ways["fused fp32 (cpu_panel_gemm.c)"] = exact
     ways["GEMM + argmax_rows"] = lambda h: argmax_rows(model.compute_logits(h))
     tokens = ways["GEMM + argmax_rows"](hidden)
     for name, way in ways.items():

@@ -49,8 +49,9 @@ def test_bench_step_times_every_op_once_and_within_the_step(llama_dir, tmp_path)
     assert all(r["ms"] > 0 for r in served.values())
     heads = {r["way"]: r for r in rows if r["table"] == "head"}  # each gave the same tokens
     exact = {"fused fp32 (cpu_panel_gemm.c)", "GEMM + argmax_rows"}
-    screened = "bf16 screen + exact fp32 (screened_head.py)"  # where the CPU has bf16
-    assert set(heads) in (exact, exact | {screened})
+    int8 = "int8 screen + exact fp32 (screened_head_int8.py)"  # where the CPU has AMX
+    bf16 = "bf16 screen + exact fp32 (screened_head.py)"  # where it has bf16 arithmetic
+    assert set(heads) in (exact, exact | {bf16}, exact | {int8, bf16})
     assert all(r["ms"] > 0 and r["rows"] == 4 for r in heads.values())
 
 

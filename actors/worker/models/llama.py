@@ -21,6 +21,7 @@ from actorserve.kernels.cpu import GreedyHead, PanelLinear
 from actorserve.kernels.decode_stack import DecodeStack, StackLayer, StackShape
 from actorserve.kernels.elementwise import rms_norm, rope, silu_mul
 from actorserve.kernels.screened_head import ScreenedGreedyHead
+from actorserve.kernels.screened_head_int8 import Int8ScreenedHead
 
 from .config import ModelConfig, RopeScaling
 
@@ -232,7 +233,7 @@ class CausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self._packed_lm_head: torch.Tensor | None = None  # see pack_lm_head_for_cpu
-        self._greedy_head: GreedyHead | ScreenedGreedyHead | None = None
+        self._greedy_head: GreedyHead | ScreenedGreedyHead | Int8ScreenedHead | None = None
         self.decode_stack: DecodeStack | None = None  # see pack_decode_stack_for_cpu
         self._stack_kv_caches: list | None = None  # the caches the decode stack writes
 
@@ -325,8 +326,9 @@ class CausalLM(nn.Module):
 
         - one for greedy_tokens: the LM head with the argmax fused in (kernels.cpu.GreedyHead),
           a third less time than the GEMM and a separate argmax at a step's rows; where the CPU
-          has bf16 arithmetic, behind a bf16 screen with the same tokens (ScreenedGreedyHead,
-          a bf16 copy of the weight and a row-major one more);
+          has AMX, behind an int8 screen with the same tokens (Int8ScreenedHead: an int8 copy
+          of the weight and a row-major one more), else where it has bf16 arithmetic behind a
+          bf16 screen (ScreenedGreedyHead, a bf16 copy and a row-major one);
         - one for compute_logits: from 8 to a few hundred rows oneDNN's packed fp32 GEMM is
           10-20% faster than MKL on the plain weight at the demo's [32000, 256], with the same
           result; one or two rows stay faster unpacked. It is torch's private op (what
@@ -336,7 +338,11 @@ class CausalLM(nn.Module):
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return False
         exact = GreedyHead.for_weight(weight)
-        self._greedy_head = ScreenedGreedyHead.for_weight(weight, exact) or exact
+        self._greedy_head = (
+            Int8ScreenedHead.for_weight(weight, exact)
+            or ScreenedGreedyHead.for_weight(weight, exact)
+            or exact
+        )
         if not torch.backends.mkldnn.is_available():
             return False
         try:
