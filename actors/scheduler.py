@@ -47,6 +47,7 @@ Allocations and StepResults of another epoch are stale and dropped.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import itertools
 import sys
@@ -94,6 +95,7 @@ class Scheduler(Actor):
         self.victim_order = Request.victim_order(config.preemption_victim)  # sort key, last first
         self.last_flush = time.monotonic()  # when held final_only outputs last went out
         self.trace = EventTrace(".scheduler")  # ACTORSERVE_STEP_TRACE (scripts/bench_overhead)
+        self.schedule_queued = False  # see _schedule_after_inbox
 
     def _clear(self) -> None:
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
@@ -130,6 +132,18 @@ class Scheduler(Actor):
         self.requests[request.request_id] = request
         self._enqueue(request)
         self.counters.prompt_tokens += request.num_prompt_tokens
+        self._schedule_after_inbox()
+
+    def _schedule_after_inbox(self) -> None:
+        """schedule() once the messages already queued in the mailbox are handled (the mailbox
+        hands them over without yielding to the loop): requests submitted together, as an
+        offline batch's, start in the same step instead of the first one alone."""
+        if not self.schedule_queued:
+            self.schedule_queued = True
+            asyncio.get_running_loop().call_soon(self._scheduled_after_inbox)
+
+    def _scheduled_after_inbox(self) -> None:
+        self.schedule_queued = False
         self.schedule()
 
     def _enqueue(self, request: Request) -> None:
