@@ -49,6 +49,7 @@
 #define GROUP_ROWS 64  /* rows one pass over the weight serves: 4 tiles of 16 */
 #define CHUNK 4        /* blocks screened together */
 #define CAP 256        /* candidates a thread keeps for a row */
+#define PREFETCH_AHEAD 2 /* chunks between the one a thread reads and the one it prefetches */
 
 /* 1 where this build has the AMX kernel and Linux grants this process the tile state. */
 int64_t int8_screen_available(void) {
@@ -206,6 +207,13 @@ static void pass_blocks(const int8_t *qa, int64_t kpad, int tiles, const int8_t 
     for (int64_t cb = b0; cb < b1; cb += CHUNK) {
         const int nb = b1 - cb < CHUNK ? (int)(b1 - cb) : CHUNK;
         const int8_t *chunk = packed + cb * block_bytes;
+        /* the chunk PREFETCH_AHEAD chunks on, spread over this chunk's products, to L2 */
+        const int64_t ahead = cb + PREFETCH_AHEAD * CHUNK;
+        const int64_t ahead_blocks = ahead >= b1 ? 0 : b1 - ahead < CHUNK ? b1 - ahead : CHUNK;
+        const int64_t ahead_lines = ahead_blocks * block_bytes / 64, steps = tiles * kt_count * nb;
+        const int64_t per_step = (ahead_lines + steps - 1) / steps;
+        const char *ahead_at = (const char *)(packed + ahead * block_bytes);
+        int64_t line = 0;
         for (int rt = 0; rt < tiles; rt++) {
             _tile_zero(0);
             _tile_zero(1);
@@ -219,10 +227,8 @@ static void pass_blocks(const int8_t *qa, int64_t kpad, int tiles, const int8_t 
                     _tile_loadd(4, qa + rt * 16 * kpad + kt * KTILE, kpad);
                 for (int b = 0; b < nb; b++) {
                     const int8_t *w = chunk + b * block_bytes + kt * COLS * KTILE;
-                    if (rt == 0 && cb + CHUNK < b1) /* the next chunk's same tile, to L2 */
-                        for (int line = 0; line < COLS * KTILE; line += 64)
-                            _mm_prefetch((const char *)w + CHUNK * block_bytes + line,
-                                         _MM_HINT_T1);
+                    for (int64_t x = 0; x < per_step && line < ahead_lines; x++, line++)
+                        _mm_prefetch(ahead_at + line * 64, _MM_HINT_T1);
                     switch (b * 4 + a_tile * 2 + (b & 1)) {
                         PRODUCT(0, 4, 6) PRODUCT(0, 4, 7) PRODUCT(0, 5, 6) PRODUCT(0, 5, 7)
                         PRODUCT(1, 4, 6) PRODUCT(1, 4, 7) PRODUCT(1, 5, 6) PRODUCT(1, 5, 7)
