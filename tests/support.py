@@ -76,6 +76,18 @@ async def _collect(client: AsyncClient, prompt, params: SamplingParams):
     return "".join(text), ids, last
 
 
+def tied_columns() -> tuple[torch.Tensor, torch.Tensor]:
+    """An LM head weight [3000, 256] whose columns 3, 700 and 2999 are the same weight row (the
+    last in the second thread's half of the columns), and 5 hidden rows pointing along it: each
+    row's maximum is there three times, exactly, and greedy sampling must give column 3 (the
+    first), as torch's max(dim=-1) does."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(3000, 256, generator=gen) / 16
+    weight[700] = weight[2999] = weight[3]
+    hidden = weight[3].repeat(5, 1) * 50 + torch.randn(5, 256, generator=gen) * 0.01
+    return weight, hidden
+
+
 def raw_exchange(address: str, data: bytes, timeout_s: float = 30.0):
     """Send raw bytes on a fresh DEALER socket; decode the one reply the engine sends."""
     import zmq

@@ -7,6 +7,7 @@ import torch
 
 from actorserve.kernels import cpu, native, screened_head
 from actorserve.kernels.screened_head import FACTOR, ScreenedGreedyHead
+from support import tied_columns
 
 
 def heads(weight: torch.Tensor) -> tuple[cpu.GreedyHead, ScreenedGreedyHead]:
@@ -64,16 +65,10 @@ def test_the_screen_reads_the_weight_through_its_strides():
 
 
 def test_ties_at_the_maximum_go_to_the_first_column():
-    """Columns 3, 700 and 2999 are the same weight row: a row pointing along it has its maximum
-    three times, exactly, and must get column 3, as the exact head gives."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(3000, 256, generator=gen) / 16
-    weight[700] = weight[2999] = weight[3]
+    weight, hidden = tied_columns()
     exact, screened = heads(weight)
-    hidden = weight[3].repeat(5, 1) * 50 + torch.randn(5, 256, generator=gen) * 0.01
     tokens = screened(hidden)
-    assert torch.equal(tokens, exact(hidden))
-    assert (tokens == 3).all()
+    assert torch.equal(tokens, exact(hidden)) and (tokens == 3).all()
 
 
 def test_rows_the_screen_cannot_settle_get_the_exact_heads_token():

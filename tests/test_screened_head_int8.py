@@ -10,6 +10,7 @@ import torch
 
 from actorserve.kernels import cpu, native, screened_head_int8
 from actorserve.kernels.screened_head_int8 import Int8ScreenedHead, quantize_columns
+from support import tied_columns
 
 
 def heads(weight: torch.Tensor) -> tuple[cpu.GreedyHead, Int8ScreenedHead]:
@@ -59,13 +60,8 @@ def test_the_screened_tokens_are_the_exact_heads(rows, vocab, hidden_size):
 
 
 def test_ties_at_the_maximum_go_to_the_first_column():
-    """Columns 3, 700 and 2999 are the same weight row (the last in the other thread's half):
-    a row pointing along it has its maximum three times, exactly, and gets column 3."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(3000, 256, generator=gen) / 16
-    weight[700] = weight[2999] = weight[3]
+    weight, hidden = tied_columns()
     exact, screened = heads(weight)
-    hidden = weight[3].repeat(5, 1) * 50 + torch.randn(5, 256, generator=gen) * 0.01
     tokens = screened(hidden)
     assert torch.equal(tokens, exact(hidden)) and (tokens == 3).all()
 

@@ -155,16 +155,13 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.qkv_proj(x)
-        v = qkv[:, -self.sizes[2] :].view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:  # q and k are adjacent: one rotation for both
-            qk = qkv[:, : -self.sizes[2]].view(T, self.num_heads + self.num_kv_heads, -1)
-            q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
-            q, k, _ = qkv.split(self.sizes, dim=-1)
-            q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # each contiguous, as attention reads q
         k_cache, v_cache = kv_cache
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(
