@@ -5,7 +5,8 @@ cpu_store_kv.c (writing this step's K/V into it), cpu_argmax.c
 panels: the projections' Linear, and the LM head with that argmax fused), cpu_elementwise.c
 (fused RMSNorm with its residual add, SiLU-and-multiply, RoPE) and cpu_decode_stack.c (a whole
 decode step through those kernels in one call; cpu_step_inputs.c, a decode step's flat inputs;
-cpu_screen.c, greedy tokens from screened bf16 logits), with cpu_vec.h and cpu_kernels.h.
+cpu_screen.c, greedy tokens from screened bf16 logits; cpu_screen_int8.c, the same from an
+int8 screen on AMX), with cpu_vec.h and cpu_kernels.h.
 
 Built with the machine's C compiler on first use (under a second on gcc) into a per-user cache,
 named by a hash of the source, the flags, the compiler and the CPU, so a changed file or another
