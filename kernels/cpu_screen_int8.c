@@ -119,6 +119,18 @@ static int compact(Candidates *c, int64_t r, float thr) {
     return kept + CHUNK * COLS <= CAP;
 }
 
+/* Lines of weight a thread prefetches to L2 while it works on the chunk before them: `per_step`
+ * at each product and each screened row, so the memory stream keeps going under both. */
+typedef struct {
+    const char *at;
+    int64_t lines, next, per_step;
+} Prefetch;
+
+INLINE void prefetch_some(Prefetch *f) {
+    for (int64_t x = 0; x < f->per_step && f->next < f->lines; x++, f->next++)
+        _mm_prefetch(f->at + f->next * 64, _MM_HINT_T1);
+}
+
 /* Screen the nb blocks of int32 products in p ([CHUNK][GROUP_ROWS][COLS]) starting at column
  * j0 for rows [0, rows): update each row's running threshold, add the candidates. A row whose
  * largest z plus the chunk's largest b (the same fp32 operations on larger operands, so no
@@ -126,7 +138,7 @@ static int compact(Candidates *c, int64_t r, float thr) {
  * case, once the threshold has risen, costs no bounds. */
 static void screen_chunk(const int32_t *p, int nb, int64_t j0, int64_t n, int64_t rows,
                          const RowBound *rb, const float *scale, const float *res,
-                         const float *norm, Candidates *c) {
+                         const float *norm, Candidates *c, Prefetch *ahead) {
     vf s[CHUNK], rr[CHUNK], mm[CHUNK];
     vi valid[CHUNK];
     const vi iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -143,6 +155,7 @@ static void screen_chunk(const int32_t *p, int nb, int64_t j0, int64_t n, int64_
     const float r_max = hmax(r_top), m_max = hmax(m_top);
     const int tail = j0 + nb * COLS > n;
     for (int64_t r = 0; r < rows; r++) {
+        prefetch_some(ahead);
         if (rb[r].failed || c->count[r] < 0) continue;
         vf z[CHUNK], z_top = neg_inf;
         for (int b = 0; b < nb; b++) {
@@ -207,13 +220,12 @@ static void pass_blocks(const int8_t *qa, int64_t kpad, int tiles, const int8_t 
     for (int64_t cb = b0; cb < b1; cb += CHUNK) {
         const int nb = b1 - cb < CHUNK ? (int)(b1 - cb) : CHUNK;
         const int8_t *chunk = packed + cb * block_bytes;
-        /* the chunk PREFETCH_AHEAD chunks on, spread over this chunk's products, to L2 */
+        /* the chunk PREFETCH_AHEAD chunks on, over this chunk's products and screened rows */
         const int64_t ahead = cb + PREFETCH_AHEAD * CHUNK;
         const int64_t ahead_blocks = ahead >= b1 ? 0 : b1 - ahead < CHUNK ? b1 - ahead : CHUNK;
-        const int64_t ahead_lines = ahead_blocks * block_bytes / 64, steps = tiles * kt_count * nb;
-        const int64_t per_step = (ahead_lines + steps - 1) / steps;
-        const char *ahead_at = (const char *)(packed + ahead * block_bytes);
-        int64_t line = 0;
+        const int64_t lines = ahead_blocks * block_bytes / 64, steps = tiles * kt_count * nb + rows;
+        Prefetch prefetch = {(const char *)(packed + ahead * block_bytes), lines, 0,
+                             (lines + steps - 1) / steps};
         for (int rt = 0; rt < tiles; rt++) {
             _tile_zero(0);
             _tile_zero(1);
@@ -227,8 +239,7 @@ static void pass_blocks(const int8_t *qa, int64_t kpad, int tiles, const int8_t 
                     _tile_loadd(4, qa + rt * 16 * kpad + kt * KTILE, kpad);
                 for (int b = 0; b < nb; b++) {
                     const int8_t *w = chunk + b * block_bytes + kt * COLS * KTILE;
-                    for (int64_t x = 0; x < per_step && line < ahead_lines; x++, line++)
-                        _mm_prefetch(ahead_at + line * 64, _MM_HINT_T1);
+                    prefetch_some(&prefetch);
                     switch (b * 4 + a_tile * 2 + (b & 1)) {
                         PRODUCT(0, 4, 6) PRODUCT(0, 4, 7) PRODUCT(0, 5, 6) PRODUCT(0, 5, 7)
                         PRODUCT(1, 4, 6) PRODUCT(1, 4, 7) PRODUCT(1, 5, 6) PRODUCT(1, 5, 7)
@@ -243,7 +254,7 @@ static void pass_blocks(const int8_t *qa, int64_t kpad, int tiles, const int8_t 
             if (nb > 2) _tile_stored(2, out + 2 * GROUP_ROWS * COLS, COLS * 4);
             if (nb > 3) _tile_stored(3, out + 3 * GROUP_ROWS * COLS, COLS * 4);
         }
-        screen_chunk(p, nb, cb * COLS, n, rows, rb, scale, res, norm, c);
+        screen_chunk(p, nb, cb * COLS, n, rows, rb, scale, res, norm, c, &prefetch);
     }
 }
 #endif
