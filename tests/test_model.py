@@ -20,7 +20,10 @@ from actorserve.actors.worker.loader import load_model
 from actorserve.actors.worker.models.config import ModelConfig, RopeScaling
 from actorserve.actors.worker.models.llama import AttentionMetadata, CausalLM, Projection
 from actorserve.checkpoints import ensure_checkpoint
-from actorserve.kernels import attention_ops
+from actorserve.kernels import attention_ops, native
+from actorserve.kernels.cpu import GreedyHead
+from actorserve.kernels.screened_head import ScreenedGreedyHead
+from actorserve.kernels.screened_head_int8 import Int8ScreenedHead
 
 KINDS = ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-mistral", "tiny-llama3", "demo"]
 BLOCK_SIZE = 16
@@ -317,6 +320,24 @@ def test_the_fused_greedy_head_picks_the_first_maximum_of_the_logits(models, row
     assert torch.equal(tokens, ours.compute_logits(hidden).max(dim=-1).indices)
     each_alone = torch.cat([fused.greedy_tokens(hidden[i : i + 1]) for i in range(rows)])
     assert torch.equal(tokens, each_alone)  # a row's token does not depend on the batch
+
+
+def test_the_greedy_head_is_the_cheapest_exact_one_the_machine_has(models, monkeypatch):
+    """The int8 screen where there is AMX, else the bf16 screen where there is bf16 arithmetic,
+    else the exact fused head; each screen can be turned off for A/B runs."""
+    path = models[3]
+
+    def served() -> type:
+        model, _ = load_model(path, "cpu", torch.float32, attention_ops("cpu"))
+        model.pack_lm_head_for_cpu()
+        return type(model._greedy_head)
+
+    if native.load().int8_screen_available():
+        assert served() is Int8ScreenedHead
+    monkeypatch.setenv("ACTORSERVE_INT8_SCREEN", "0")
+    assert served() in (ScreenedGreedyHead, GreedyHead)
+    monkeypatch.setenv("ACTORSERVE_BF16_SCREEN", "0")
+    assert served() is GreedyHead
 
 
 def test_projections_on_packed_panels_match_hf(models):
