@@ -28,9 +28,7 @@ void rope(const float *x, int64_t token_stride, int64_t head_stride, int64_t tok
 int store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
              const int64_t *slots, int64_t tokens, int64_t row, int64_t capacity,
              float *k_cache, float *v_cache);
-/* cpu_screen.c: exact logits of up to CHAINS columns, as greedy_head computes each */
-#define CHAINS 8
-void exact_logits(const float *a, int64_t k, const float *weight, int64_t w_row, int64_t w_col,
-                  const int64_t *cols, int count, float *out);
+int64_t first_max_exact(const float *a, int64_t k, const float *weight, int64_t w_row,
+                        int64_t w_col, const int64_t *cols, int64_t count);
 
 #endif

@@ -53,14 +53,32 @@ INLINE float fmadd1(float a, float b, float c) {
 
 /* Exact logits of up to CHAINS columns at once (independent FMA chains, so their latencies
  * overlap): each the FMA chain over i from +0 in order, as a lane of the panel GEMM's tile. */
-void exact_logits(const float *a, int64_t k, const float *weight, int64_t w_row, int64_t w_col,
-                  const int64_t *cols, int count, float *out) {
+#define CHAINS 8
+static void exact_logits(const float *a, int64_t k, const float *weight, int64_t w_row,
+                         int64_t w_col, const int64_t *cols, int count, float *out) {
     float acc[CHAINS] = {0};
     const float *w[CHAINS];
     for (int c = 0; c < count; c++) w[c] = weight + cols[c] * w_row;
     for (int64_t i = 0; i < k; i++)
         for (int c = 0; c < count; c++) acc[c] = fmadd1(a[i], w[c][i * w_col], acc[c]);
     for (int c = 0; c < count; c++) out[c] = acc[c];
+}
+
+/* The first maximum of the exact logits of the candidate columns cols[0..count) (in column
+ * order, so ties go to the smaller column): greedy_head's token when the maximum is among them;
+ * -1 when there are none. */
+int64_t first_max_exact(const float *a, int64_t k, const float *weight, int64_t w_row,
+                        int64_t w_col, const int64_t *cols, int64_t count) {
+    int64_t best_col = -1;
+    float best = -INFINITY;
+    for (int64_t i0 = 0; i0 < count; i0 += CHAINS) {
+        const int group = count - i0 < CHAINS ? (int)(count - i0) : CHAINS;
+        float logits[CHAINS];
+        exact_logits(a, k, weight, w_row, w_col, cols + i0, group, logits);
+        for (int i = 0; i < group; i++)
+            if (best_col < 0 || logits[i] > best) best = logits[i], best_col = cols[i0 + i];
+    }
+    return best_col;
 }
 
 #define BLOCK (16 * VW) /* columns whose largest upper bound pass 1 keeps for pass 2 */
@@ -143,16 +161,7 @@ static int64_t screen_row(const float *a, int64_t k, const uint16_t *y, int64_t 
                 candidates[count++] = j;
             }
     }
-    int64_t best_col = -1;
-    float best = -INFINITY;
-    for (int i0 = 0; i0 < count; i0 += CHAINS) {
-        const int group = count - i0 < CHAINS ? count - i0 : CHAINS;
-        float logits[CHAINS];
-        exact_logits(a, k, weight, w_row, w_col, candidates + i0, group, logits);
-        for (int i = 0; i < group; i++) /* columns in order: ties go to the first */
-            if (best_col < 0 || logits[i] > best) best = logits[i], best_col = candidates[i0 + i];
-    }
-    return best_col;
+    return first_max_exact(a, k, weight, w_row, w_col, candidates, count);
 }
 
 /* a [m, k] fp32 (rows a_stride apart), approx [m, n] bf16 bits, weight [n, k] fp32 (element

@@ -1,7 +1,7 @@
 /* Greedy tokens from an int8 screen of the LM head on AMX (kernels/screened_head_int8.py):
  * the products of int8 copies of the rows and the weight, exact in int32 on the tile unit, bound
  * every column's fp32 logit; the columns that can still be a row's maximum are computed exactly
- * (cpu_screen.c's exact_logits), and the first maximum among them is greedy_head's token.
+ * (cpu_screen.c's first_max_exact), and the first maximum among them is greedy_head's token.
  *
  * Setup (Python, once): column j of the weight w_j (a row of [n, k]) has a scale s_j, int8 values
  * q_j (w~_j = s_j q_j), r_j >= |w_j - w~_j| and m_j >= |w~_j| (2-norms, rounded up). A row a gets
@@ -259,21 +259,9 @@ static void pass_blocks(const int8_t *qa, int64_t kpad, int tiles, const int8_t 
 }
 #endif
 
-/* The group's exact logits against the best so far (columns in order: ties go to the first);
- * empties the group. */
-static int64_t take_first_max(const float *a, int64_t k, const float *weight, int64_t w_row,
-                              int64_t w_col, const int64_t *cols, int *group, int64_t best_col,
-                              float *best) {
-    float logits[CHAINS];
-    exact_logits(a, k, weight, w_row, w_col, cols, *group, logits);
-    for (int x = 0; x < *group; x++)
-        if (best_col < 0 || logits[x] > *best) *best = logits[x], best_col = cols[x];
-    *group = 0;
-    return best_col;
-}
-
-/* The first maximum of the exact logits over the row's candidates of every thread (in column
- * order) whose upper end reaches the final threshold; -1 when the row failed. */
+/* The first maximum of the exact logits over the row's candidates of every thread whose upper
+ * end reaches the final threshold (cpu_screen.c's first_max_exact: the threads' column ranges
+ * are in order, so the list is); -1 when the row failed. */
 static int64_t settle_row(const float *a, int64_t k, const float *weight, int64_t w_row,
                           int64_t w_col, const Candidates *all, int threads, int64_t r,
                           const RowBound *rb) {
@@ -284,21 +272,11 @@ static int64_t settle_row(const float *a, int64_t k, const float *weight, int64_
         low = all[t].low[r] > low ? all[t].low[r] : low;
     }
     const float thr = low - rb->delta;
-    int64_t cols[CHAINS], best_col = -1;
-    float best = -INFINITY;
-    int group = 0;
-    for (int t = 0; t <= threads; t++) { /* t == threads: the last, partial group */
-        const int count = t < threads ? all[t].count[r] : 0;
-        for (int i = 0; i < count; i++)
-            if (all[t].ups[r * CAP + i] >= thr) {
-                cols[group++] = all[t].cols[r * CAP + i];
-                if (group == CHAINS) best_col = take_first_max(a, k, weight, w_row, w_col, cols,
-                                                               &group, best_col, &best);
-            }
-        if (t == threads && group > 0)
-            best_col = take_first_max(a, k, weight, w_row, w_col, cols, &group, best_col, &best);
-    }
-    return best_col;
+    int64_t cols[threads * CAP], count = 0;
+    for (int t = 0; t < threads; t++)
+        for (int i = 0; i < all[t].count[r]; i++)
+            if (all[t].ups[r * CAP + i] >= thr) cols[count++] = all[t].cols[r * CAP + i];
+    return first_max_exact(a, k, weight, w_row, w_col, cols, count);
 }
 
 /* a [m, k] fp32 (rows a_stride apart); packed: the int8 weight in blocks of COLS columns, each

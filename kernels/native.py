@@ -298,15 +298,15 @@ def int8_screened_argmax(
     hidden: torch.Tensor,
     packed: torch.Tensor,
     vocab: int,
-    column_terms: torch.Tensor,
+    column_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     largest: tuple[float, float],
     weight: torch.Tensor,
-) -> tuple[torch.Tensor, int] | None:
+) -> tuple[torch.Tensor, int]:
     """hidden [N, H] fp32 (rows may be strided, columns contiguous), packed [blocks, kpad / 64,
-    16, 16, 4] int8, column_terms [3, >= vocab] fp32 (scales, residual norms, int8 norms) and
+    16, 16, 4] int8, column_terms three [>= vocab] fp32 (scales, residual norms, int8 norms) and
     `largest` the largest residual and int8 norms, weight [vocab, H] fp32 (any strides) -> ([N]
-    int64 tokens, -1 where a row needs the exact head; how many rows got -1), or None where
-    this build or process has no AMX (see cpu_screen_int8.c)."""
+    int64 tokens, -1 where a row needs the exact head; how many rows got -1) (see
+    cpu_screen_int8.c). Call only where lib.int8_screen_available()."""
     out = torch.empty(hidden.shape[0], dtype=torch.int64)
     scale, res, norm = column_terms
     unsettled = lib.int8_screened_argmax(
@@ -326,7 +326,9 @@ def int8_screened_argmax(
         weight.stride(1),
         out.data_ptr(),
     )
-    return (out, unsettled) if unsettled >= 0 else None
+    if unsettled < 0:
+        raise RuntimeError("this build or process has no AMX (check int8_screen_available)")
+    return out, unsettled
 
 
 def rms_norm(

@@ -62,20 +62,47 @@ def cpu_has_bf16() -> bool:
     return False
 
 
-class ScreenedGreedyHead:
-    """The LM head's greedy tokens: a bf16 screen, then exact fp32 logits of the survivors; rows
-    the screen cannot settle go to the exact head. Same tokens as `exact`, to the bit."""
+class ScreenedHead:
+    """What both screens share (this one and kernels/screened_head_int8.py): a row-major copy of
+    the weight to compute the candidates from, the exact head behind the screen, and the rows
+    the screen leaves unsettled (-1) sent to that head. Subclasses give `screen`."""
 
     def __init__(self, lib, weight: torch.Tensor, exact: GreedyHead) -> None:
-        weight = weight.detach()
         self._lib = lib
         self._exact = exact
         # [V, H] row-major: each candidate's row read in one stretch (a copy where the Linear
         # keeps its weight column-major: read in place, 1.2 -> 1.7 ms a 64-row step)
-        self._weight = weight.contiguous()
-        norms = torch.cat([rows.double().norm(dim=1) for rows in weight.split(4096)])
+        self._weight = weight.detach().contiguous()
+
+    @property
+    def exact(self) -> GreedyHead:
+        """The exact fp32 head behind the screen."""
+        return self._exact
+
+    def screen(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """hidden [N, H] fp32, rows contiguous -> ([N] int64 tokens, -1 where the screen cannot
+        settle the row; how many rows got -1)."""
+        raise NotImplementedError
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] fp32 -> [N] int64 token ids, as GreedyHead's."""
+        hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+        tokens, unsettled = self.screen(hidden)
+        if unsettled:  # rare: the common step makes no more torch calls
+            rows = (tokens < 0).nonzero().flatten()
+            tokens[rows] = self._exact(hidden[rows])
+        return tokens
+
+
+class ScreenedGreedyHead(ScreenedHead):
+    """The LM head's greedy tokens: a bf16 screen, then exact fp32 logits of the survivors; rows
+    the screen cannot settle go to the exact head. Same tokens as `exact`, to the bit."""
+
+    def __init__(self, lib, weight: torch.Tensor, exact: GreedyHead) -> None:
+        super().__init__(lib, weight, exact)
+        norms = torch.cat([rows.double().norm(dim=1) for rows in self._weight.split(4096)])
         self._col_norms = (norms * (1.0 + 1e-6)).float()  # rounded up, as the bound needs
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), PACK_ROWS)
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(self._weight.bfloat16(), PACK_ROWS)
 
     @classmethod
     def for_weight(cls, weight: torch.Tensor, exact: GreedyHead | None, force: bool = False):
@@ -120,19 +147,9 @@ class ScreenedGreedyHead:
         bound = BOUND * hidden.double().norm(dim=1, keepdim=True) * norms
         return bool((error <= bound).all())
 
-    @property
-    def exact(self) -> GreedyHead:
-        """The exact fp32 head behind the screen."""
-        return self._exact
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] fp32 -> [N] int64 token ids, as GreedyHead's."""
-        hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    def screen(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The bf16 logits, then cpu_screen.c (see ScreenedHead.screen)."""
         approx = self.approx_logits(hidden)
-        tokens, unsettled = native.screened_argmax(
+        return native.screened_argmax(
             self._lib, hidden, approx, self._weight, self._col_norms, FACTOR
         )
-        if unsettled:  # rare: the common step makes no more torch calls
-            rows = (tokens < 0).nonzero().flatten()
-            tokens[rows] = self._exact(hidden[rows])
-        return tokens

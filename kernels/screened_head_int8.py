@@ -31,6 +31,7 @@ import torch
 
 from . import huge_pages, native
 from .cpu import GreedyHead
+from .screened_head import ScreenedHead
 
 log = logging.getLogger(__name__)
 COLS, KTILE = 16, 64  # a weight block's columns, the int8 products along k in a tile row
@@ -63,18 +64,15 @@ def quantize_columns(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, terms
 
 
-class Int8ScreenedHead:
+class Int8ScreenedHead(ScreenedHead):
     """The LM head's greedy tokens: an int8 screen on AMX, then exact fp32 logits of the
     survivors; rows the screen cannot settle go to the exact head. Same tokens as `exact`."""
 
     def __init__(self, lib, weight: torch.Tensor, exact: GreedyHead) -> None:
-        weight = weight.detach()
-        self._lib = lib
-        self._exact = exact
-        self._vocab = weight.shape[0]
-        self._weight = weight.contiguous()  # row-major, as ScreenedGreedyHead keeps it
-        self._packed, self._terms = quantize_columns(weight)
-        self._largest = (float(self._terms[1].max()), float(self._terms[2].max()))
+        super().__init__(lib, weight, exact)
+        self._packed, terms = quantize_columns(self._weight)
+        self._terms = tuple(terms)  # scales, residual norms, int8 norms: unbound once, here
+        self._largest = (float(terms[1].max()), float(terms[2].max()))
 
     @classmethod
     def for_weight(cls, weight: torch.Tensor, exact: GreedyHead | None):
@@ -109,31 +107,13 @@ class Int8ScreenedHead:
         gen = torch.Generator().manual_seed(0)
         hidden = torch.randn(rows, self._weight.shape[1], generator=gen)
         hidden *= torch.logspace(-2, 2, rows)[:, None]
-        screened = self.screen(hidden)
-        if screened is None:
-            return False
-        settled = screened[0] >= 0
-        return torch.equal(screened[0][settled], self._exact(hidden)[settled])
+        tokens, _ = self.screen(hidden)
+        settled = tokens >= 0
+        return torch.equal(tokens[settled], self._exact(hidden)[settled])
 
-    @property
-    def exact(self) -> GreedyHead:
-        """The exact fp32 head behind the screen."""
-        return self._exact
-
-    def screen(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-        """hidden [N, H] fp32 -> ([N] tokens, -1 where unsettled; how many), or None (no AMX)."""
+    def screen(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """cpu_screen_int8.c (see ScreenedHead.screen)."""
         return native.int8_screened_argmax(
-            self._lib, hidden, self._packed, self._vocab, self._terms, self._largest, self._weight
-        )
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] fp32 -> [N] int64 token ids, as GreedyHead's."""
-        hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
-        screened = self.screen(hidden)
-        if screened is None:
-            return self._exact(hidden)
-        tokens, unsettled = screened
-        if unsettled:  # rare: the common step makes no more torch calls
-            rows = (tokens < 0).nonzero().flatten()
-            tokens[rows] = self._exact(hidden[rows])
-        return tokens
+            self._lib, hidden, self._packed, self._weight.shape[0], self._terms, self._largest,
+            self._weight,
+        )  # fmt: skip

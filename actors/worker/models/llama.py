@@ -20,7 +20,7 @@ from actorserve.kernels import AttentionOps, native
 from actorserve.kernels.cpu import GreedyHead, PanelLinear
 from actorserve.kernels.decode_stack import DecodeStack, StackLayer, StackShape
 from actorserve.kernels.elementwise import rms_norm, rope, silu_mul
-from actorserve.kernels.screened_head import ScreenedGreedyHead
+from actorserve.kernels.screened_head import ScreenedGreedyHead, ScreenedHead
 from actorserve.kernels.screened_head_int8 import Int8ScreenedHead
 
 from .config import ModelConfig, RopeScaling
@@ -230,7 +230,7 @@ class CausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self._packed_lm_head: torch.Tensor | None = None  # see pack_lm_head_for_cpu
-        self._greedy_head: GreedyHead | ScreenedGreedyHead | Int8ScreenedHead | None = None
+        self._greedy_head: GreedyHead | ScreenedHead | None = None
         self.decode_stack: DecodeStack | None = None  # see pack_decode_stack_for_cpu
         self._stack_kv_caches: list | None = None  # the caches the decode stack writes
 
