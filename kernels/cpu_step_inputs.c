@@ -11,17 +11,24 @@
  *   tables_out[i][0..width) = table[rows[i]][0..width), width = max num_blocks (rows
  *   tables_out_stride apart, which must be >= width).
  * Returns width; or -1 - i when request i's token lies past its blocks (outputs then invalid).
+ *
+ * With next_tokens (else NULL), each request first moves on by the token the step before
+ * sampled for it: starts[i] += 1, tokens[i] = next_tokens[i] (written back to requests).
  */
 #include <stdint.h>
 #include <string.h>
 
-int64_t decode_inputs(const int64_t *requests, int64_t n, const int32_t *table,
+int64_t decode_inputs(int64_t *requests, int64_t n, const int32_t *table,
                       int64_t table_stride, int64_t block_size, int64_t *input_ids,
                       int64_t *positions, int64_t *slots,
                       int32_t *tables_out, int64_t tables_out_stride, int32_t *seq_lens,
-                      int32_t *query_start_loc) {
+                      int32_t *query_start_loc, const int64_t *next_tokens) {
     int64_t width = 0;
     for (int64_t i = 0; i < n; i++) {
+        if (next_tokens != 0) {
+            requests[4 * i] += 1;
+            requests[4 * i + 3] = next_tokens[i];
+        }
         const int64_t start = requests[4 * i], blocks = requests[4 * i + 1];
         if (start < 0 || start + 1 > blocks * block_size || blocks > tables_out_stride)
             return -1 - i;

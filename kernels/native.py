@@ -158,7 +158,7 @@ def load() -> ctypes.CDLL | None:
     lib.decode_stack.restype = ctypes.c_int
     lib.decode_stack.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
     lib.decode_inputs.restype = i64
-    lib.decode_inputs.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr]
+    lib.decode_inputs.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
     return lib
 
 
@@ -411,24 +411,49 @@ def store_kv(
         raise IndexError(f"store_kv: a slot lies past the cache's {k_cache.shape[0]} blocks")
 
 
-def decode_inputs(
-    lib: ctypes.CDLL, requests: np.ndarray, table: np.ndarray, block_size: int
-) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A step of decodes' flat inputs (see cpu_step_inputs.c): requests [n, 4] int64 C-contiguous
-    (tokens computed, blocks held, block table row, the token at that position), table [rows,
-    columns] int32 C-contiguous -> (status, input_ids [n] int64, positions [n] int64, slots [n]
-    int64, tables [n, width] int32, seq_lens [n] int32, query_start_loc [n + 1] int32);
-    status < 0: request -1 - status lies past its blocks."""
-    n = requests.shape[0]
-    columns = table.shape[1]
-    out64 = np.empty(3 * n, dtype=np.int64)
-    out32 = np.empty(n * columns + 2 * n + 1, dtype=np.int32)
-    p64, p32 = out64.ctypes.data, out32.ctypes.data
-    status = lib.decode_inputs(
-        requests.ctypes.data, n, table.ctypes.data, columns, block_size, p64, p64 + 8 * n,
-        p64 + 16 * n, p32, columns, p32 + 4 * n * columns, p32 + 4 * (n * columns + n),
-    )  # fmt: skip
-    tables = out32[: n * columns].reshape(n, columns)[:, : max(status, 0)]
-    seq_lens = out32[n * columns : n * columns + n]
-    ids, positions, slots = out64[:n], out64[n : 2 * n], out64[2 * n :]
-    return status, ids, positions, slots, tables, seq_lens, out32[n * columns + n :]
+class DecodeInputs:
+    """A step of `n` decodes' flat inputs (see cpu_step_inputs.c), for requests of at most
+    `columns` blocks: buffers, and the torch tensors viewing them (input_ids, positions, slots
+    [n] int64; seq_lens [n], query_start_loc [n + 1], tables [n, width] int32, rows `columns`
+    apart). `fill` rewrites them in place, so a step that reuses the object makes no arrays."""
+
+    def __init__(self, n: int, columns: int):
+        self.n, self.columns, self.width = n, columns, 0
+        self._out64 = np.empty(3 * n, dtype=np.int64)
+        self._out32 = np.empty(n * columns + 2 * n + 1, dtype=np.int32)
+        out64, out32 = torch.from_numpy(self._out64), torch.from_numpy(self._out32)
+        self.input_ids, self.positions, self.slots = out64[:n], out64[n : 2 * n], out64[2 * n :]
+        self._all_tables = out32[: n * columns].view(n, columns)
+        self.tables = self._all_tables[:, :0]
+        self.seq_lens = out32[n * columns : n * columns + n]
+        self.query_start_loc = out32[n * columns + n :]
+        p64, p32 = self._out64.ctypes.data, self._out32.ctypes.data
+        self._outputs = (
+            p64, p64 + 8 * n, p64 + 16 * n, p32, columns, p32 + 4 * n * columns,
+            p32 + 4 * (n * columns + n),
+        )  # fmt: skip
+
+    def fill(
+        self,
+        lib: ctypes.CDLL,
+        requests: np.ndarray,
+        table: np.ndarray,
+        block_size: int,
+        next_tokens: torch.Tensor | None = None,
+    ) -> int | None:
+        """requests [n, 4] int64 C-contiguous (tokens computed, blocks held, block table row, the
+        token at that position), table [rows, columns] int32 C-contiguous -> None, or the index of
+        the first request whose token lies past its blocks (the outputs are then invalid).
+        next_tokens [n] int64 contiguous: each request first moves on by that token (one more
+        computed, the token its next), in `requests` too."""
+        if table.shape[1] > self.columns:
+            raise ValueError(f"a block table of {table.shape[1]} columns in {self.columns}")
+        status = lib.decode_inputs(
+            requests.ctypes.data, self.n, table.ctypes.data, table.shape[1], block_size,
+            *self._outputs, None if next_tokens is None else next_tokens.data_ptr(),
+        )  # fmt: skip
+        if status < 0:
+            return -1 - status
+        if status != self.width:
+            self.width, self.tables = status, self._all_tables[:, :status]
+        return None

@@ -20,6 +20,7 @@ from ...messages.step import NewRequest, StepPlan, StepResult
 from ..config import EngineConfig
 from ..step_trace import open_trace
 from .block_tables import BlockTables
+from .decode_batch import DecodeBatch, sample_rows_of
 from .kv_cache import KVCache
 from .logprobs import PromptLogprobsTracker, start_sample_logprobs
 from .models.llama import AttentionMetadata
@@ -50,6 +51,7 @@ class StepInputs:
     sample_rows: list[SampleRow]
     requests: list[CachedRequest]  # the scheduled ones, in the step's order
     sample_requests: list[CachedRequest]  # those that sample, in sample_ids' order
+    decodes: DecodeBatch | None = None  # a step of decodes: its numbers, for the next step
 
 
 class ModelRunner:
@@ -68,6 +70,8 @@ class ModelRunner:
         self.eos_token_ids = config.facts.eos_token_ids
         self.requests: dict[str, CachedRequest] = {}
         self.block_tables = BlockTables(max(1, config.max_num_seqs))
+        self.decodes: DecodeBatch | None = None  # the last step, when all its requests decoded
+        self.grown: list[tuple[int, CachedRequest]] = []  # (index in the step, request)
         self.native = native.load() if device.type == "cpu" else None  # decode inputs in C
         self.sampler = Sampler(config.seed)
         self.prompt_logprobs = PromptLogprobsTracker()  # requests owing prompt logprobs
@@ -80,7 +84,7 @@ class ModelRunner:
         """Update the persistent batch; return the step's (request id, tokens to compute)."""
         for rid in plan.removed:
             self.forget(rid)
-        scheduled = []
+        scheduled, self.grown = [], []
         for update in plan.running:
             request = self.requests.get(update.request_id)
             if request is None:  # dropped when the step before (planned with this one) failed
@@ -88,9 +92,11 @@ class ModelRunner:
             if update.new_block_ids:
                 self.block_tables.write(request.row, request.num_blocks, update.new_block_ids)
                 request.num_blocks += len(update.new_block_ids)
+                self.grown.append((len(scheduled), request))
             scheduled.append((update.request_id, update.num_new_tokens))
         for new in plan.new:
             self.forget(new.request_id)  # re-sent after a preemption: a fresh start
+            self.decodes = None
             stops = list(new.params.stop_token_ids)
             if not new.params.ignore_eos:
                 stops += self.eos_token_ids
@@ -114,19 +120,27 @@ class ModelRunner:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.block_tables.release(request.row, request.num_blocks)
+            self.decodes = None
 
     def forget_all(self) -> None:
         self.requests.clear()
+        self.decodes = None
         self.block_tables.clear()
 
     def prepare(self, scheduled: list[tuple[str, int]]) -> StepInputs:
         """Flat inputs for the step, vectorized over requests (numpy), one request after another;
-        a step of decodes alone in one C call where the machine has the CPU kernels."""
+        a step of decodes alone in one C call where the machine has the CPU kernels, from the
+        last step's numbers when that step decoded the same requests (DecodeBatch)."""
+        last, self.decodes = self.decodes, None  # kept again only once this step is done
+        if last is not None and scheduled == last.scheduled:
+            last.grew(self.grown)
+            return self._decode_inputs(last)
         bs = self.block_size
         n = len(scheduled)
         reqs = [self.requests[rid] for rid, _ in scheduled]
         if self.native is not None and all(count == 1 for _, count in scheduled):
-            return self._prepare_decodes(scheduled, reqs)
+            columns = self.block_tables.table.shape[1]
+            return self._decode_inputs(DecodeBatch.of(scheduled, reqs, columns))
         counts = np.fromiter((count for _, count in scheduled), np.int64, n)
         starts = np.fromiter((r.num_computed for r in reqs), np.int64, n)
         ends = starts + counts
@@ -153,7 +167,7 @@ class ModelRunner:
         slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         lengths = np.fromiter((len(r.token_ids) for r in reqs), np.int64, n)
         sampling = np.flatnonzero(ends == lengths)  # requests that reach their last token
-        sample_ids, sample_rows, sample_reqs = self._sample_rows(
+        sample_ids, sample_rows, sample_reqs = sample_rows_of(
             scheduled, reqs, zip(sampling.tolist(), ends[sampling].tolist())
         )
         host = {
@@ -175,36 +189,26 @@ class ModelRunner:
             sample_rows, reqs, sample_reqs,
         )  # fmt: skip
 
-    def _prepare_decodes(self, scheduled, reqs: list[CachedRequest]) -> StepInputs:
+    def _decode_inputs(self, batch: DecodeBatch) -> StepInputs:
         """prepare() for one token per request: the numbers in kernels/cpu_step_inputs.c (a
         dozen fewer numpy calls, each slow on the caches the last step streamed through)."""
-        n = len(reqs)
-        flat, samples = [], []
-        for i, r in enumerate(reqs):  # one pass: each Python step here runs on cold caches
-            computed, tokens = r.num_computed, r.token_ids
-            flat += (computed, r.num_blocks, r.row, tokens[computed])
-            if computed + 1 == len(tokens):  # its last token: it samples
-                samples.append((i, computed + 1))
-        numbers = np.array(flat, dtype=np.int64).reshape(n, 4)
-        status, ids, positions, slots, tables, seq_lens, query_start = native.decode_inputs(
-            self.native, numbers, self.block_tables.table, self.block_size
-        )
-        if status < 0:
-            b = -1 - status
-            raise self._past_blocks(scheduled[b][0], int(numbers[b, 0]) + 1, int(numbers[b, 1]))
-        sample_ids, sample_rows, sample_reqs = self._sample_rows(scheduled, reqs, samples)
+        table = self.block_tables.table
+        if table.shape[1] > batch.inputs.columns:  # the block tables grew a column
+            batch.inputs = native.DecodeInputs(len(batch.requests), table.shape[1])
+        inputs = batch.inputs
+        past = batch.fill(self.native, table, self.block_size)
+        if past is not None:
+            numbers = batch.numbers[past]
+            raise self._past_blocks(batch.scheduled[past][0], int(numbers[0]) + 1, int(numbers[1]))
+        index = batch.sample_index
         meta = AttentionMetadata(
-            torch.from_numpy(slots),
-            torch.from_numpy(tables),
-            torch.from_numpy(seq_lens),
-            torch.from_numpy(query_start),
+            inputs.slots, inputs.tables, inputs.seq_lens, inputs.query_start_loc
         )
-        sample_index = None
-        if len(samples) < n:
-            sample_index = torch.tensor([i for i, _ in samples], dtype=torch.long)
         return StepInputs(
-            torch.from_numpy(ids), torch.from_numpy(positions), meta, sample_index, sample_ids,
-            sample_rows, reqs, sample_reqs,
+            inputs.input_ids, inputs.positions, meta,
+            None if index is None else torch.tensor(index, dtype=torch.long),
+            batch.sample_ids, batch.sample_rows, batch.requests,
+            batch.requests if index is None else [batch.requests[i] for i in index], batch,
         )  # fmt: skip
 
     def _past_blocks(self, request_id: str, end: int, num_blocks: int) -> ValueError:
@@ -212,20 +216,6 @@ class ModelRunner:
             f"request {request_id} computes up to token {end} but holds {num_blocks} blocks "
             f"of {self.block_size}"
         )
-
-    @staticmethod
-    def _sample_rows(scheduled, reqs: list[CachedRequest], samples) -> tuple[list, list, list]:
-        """For each (index, end) in `samples`, request `index` reaches its last token at `end`:
-        -> their ids, SampleRows (each set to sample position `end`) and CachedRequests."""
-        sample_ids, sample_rows, sample_reqs = [], [], []
-        for i, end in samples:
-            r = reqs[i]
-            sample_ids.append(scheduled[i][0])
-            row = r.sample_row
-            row.position, row.num_output = end, end - r.num_prompt_tokens
-            sample_rows.append(row)
-            sample_reqs.append(r)
-        return sample_ids, sample_rows, sample_reqs
 
     def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """CPU: as is. CUDA: pinned buffers copied on the copy stream; compute waits on an event."""
@@ -243,8 +233,15 @@ class ModelRunner:
             return contextlib.nullcontext()
         return torch.cuda.stream(self.compute_stream)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step (in inference mode: the Worker's forward thread is in it throughout, as
+        entering and leaving it cost ~40 us a step on the caches a step leaves)."""
+        if torch.is_inference_mode_enabled():
+            return self._execute(plan)
+        with torch.inference_mode():
+            return self._execute(plan)
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
         with self._on_compute_stream():  # the forward below waits for these on this stream
             self.kv.swap(plan.swap_out, plan.swap_in, self.copy_stream)
@@ -258,7 +255,7 @@ class ModelRunner:
             prepared = self._clock()
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             forwarded = self._clock()
-            tokens, logprobs, logits_done = self._sample(hidden, inputs, forwarded)
+            tokens, token_tensor, logprobs, logits_done = self._sample(hidden, inputs, forwarded)
             prompt_logprobs = self.prompt_logprobs.compute(
                 self.model, hidden, scheduled, self.requests
             )
@@ -266,6 +263,11 @@ class ModelRunner:
             request.num_computed += count
         for request, token in zip(inputs.sample_requests, tokens):
             request.token_ids.append(token)
+        if inputs.decodes is not None and inputs.decodes.sample_index is None:
+            if token_tensor is None:
+                token_tensor = torch.tensor(tokens, dtype=torch.long)
+            inputs.decodes.advance(token_tensor)
+            self.decodes = inputs.decodes
         finished = time.perf_counter()
         if self.trace is not None:
             self._write_trace(plan, scheduled, inputs, started, prepared, forwarded, logits_done)
@@ -280,18 +282,22 @@ class ModelRunner:
         )
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs, forwarded: float | None):
-        """-> the sampling rows' tokens, their logprobs ([] when none asked), and (tracing) when
-        the LM head was done.
+        """-> the sampling rows' tokens, the same as a tensor where the LM head picked them all
+        (else None), their logprobs ([] when none asked), and (tracing) when the LM head was
+        done.
 
         Rows that are plain greedy get their tokens from the LM head itself (Model.greedy_tokens,
         where it serves) and make no logits; the others go through the logits and the sampler,
         on their own rows."""
         rows = inputs.sample_rows
         if not rows:
-            return [], [], forwarded
+            return [], None, [], forwarded
         index = inputs.sample_index
         sampled = hidden if index is None else hidden.index_select(0, index)
-        plain = [i for i, row in enumerate(rows) if is_plain_greedy(row)]
+        if inputs.decodes is not None and not inputs.decodes.rows_read_positions:
+            plain = range(len(rows))  # every row plain greedy from its first token
+        else:
+            plain = [i for i, row in enumerate(rows) if is_plain_greedy(row)]
         every_plain = len(plain) == len(rows)
         fused = None
         if plain:
@@ -299,7 +305,7 @@ class ModelRunner:
         if fused is None:  # no plain row, or no fused head on this device
             plain = []
         elif every_plain:
-            return fused.tolist(), [], self._clock()
+            return fused.tolist(), fused, [], self._clock()
         taken = set(plain)
         other = [i for i in range(len(rows)) if i not in taken]
         tokens = [0] * len(rows)
@@ -318,7 +324,7 @@ class ModelRunner:
                 logprobs = [None] * len(rows)
                 for i, entry in zip(other, pending.finish(some)):
                     logprobs[i] = entry
-        return tokens, logprobs, logits_done
+        return tokens, None, logprobs, logits_done
 
     def _clock(self) -> float | None:
         """perf_counter when tracing (after the device caught up), else None."""

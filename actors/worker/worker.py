@@ -135,30 +135,36 @@ class Worker(Actor):
     def _forward_loop(self, steps: zmq.Socket) -> None:
         """The forward thread, until a Stop on its mailbox: run each plan of the current epoch
         in order and send its StepResult (on this thread's own socket to the Scheduler)."""
-        decoder: Decoder[StepPlan | Reset | Stop] = Decoder(WorkerStepsInbox)
+        import torch
+
         results = self._connect("scheduler")
         try:
-            while True:
-                data = steps.recv()
-                try:
-                    item = decoder.decode(data)
-                except DecodeError as exc:
-                    self.loop.call_soon_threadsafe(
-                        self.report_error, f"could not decode a {len(data)}-byte step: {exc}"
-                    )
-                    continue
-                if isinstance(item, Stop):
-                    return
-                if isinstance(item, Reset):
-                    self.epoch = item.epoch
-                    self.runner.forget_all()
-                elif item.epoch == self.epoch:
-                    result = self._execute(item)
-                    if item.running or item.new:
-                        results.send(encode(result), copy=False)
+            with torch.inference_mode():  # entered once, not once a step (runner.execute)
+                self._run_steps(steps, results)
         finally:
             results.close()
             steps.close(linger=0)
+
+    def _run_steps(self, steps: zmq.Socket, results: zmq.Socket) -> None:
+        decoder: Decoder[StepPlan | Reset | Stop] = Decoder(WorkerStepsInbox)
+        while True:
+            data = steps.recv()
+            try:
+                item = decoder.decode(data)
+            except DecodeError as exc:
+                self.loop.call_soon_threadsafe(
+                    self.report_error, f"could not decode a {len(data)}-byte step: {exc}"
+                )
+                continue
+            if isinstance(item, Stop):
+                return
+            if isinstance(item, Reset):
+                self.epoch = item.epoch
+                self.runner.forget_all()
+            elif item.epoch == self.epoch:
+                result = self._execute(item)
+                if item.running or item.new:
+                    results.send(encode(result), copy=False)
 
     def _forward_ended(self, future: asyncio.Future) -> None:
         """A forward thread that died (not by teardown's Stop) stops the Worker: the supervisor
