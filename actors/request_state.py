@@ -32,13 +32,18 @@ class Request:
         "holds_output",
         "unsent",
         "capacity",
+        "length_limit",
     )
 
-    def __init__(self, message: AddRequest, eos_token_ids: list[int], arrival: int):
+    def __init__(
+        self, message: AddRequest, eos_token_ids: list[int], arrival: int, max_model_len: int
+    ):
         self.request_id = message.request_id
         self.token_ids = list(message.prompt_token_ids) + list(message.output_token_ids)
         self.num_prompt_tokens = len(message.prompt_token_ids)
         self.params: SamplingParams = message.params
+        # the length at which it ends: max_tokens sampled, or max_model_len reached
+        self.length_limit = min(self.num_prompt_tokens + message.params.max_tokens, max_model_len)
         self.priority = message.priority
         self.arrival = arrival
         self.num_computed = 0  # tokens whose KV a finished step wrote
@@ -67,22 +72,14 @@ class Request:
         return (self.priority, self.arrival)
 
     @property
-    def num_output(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
     def num_unscheduled(self) -> int:
         """Tokens to compute, counting one per sample in flight (the Worker already has it)."""
         return len(self.token_ids) + self.samples_in_flight - self.num_scheduled
 
-    def _at_length_limit(self, length: int, max_model_len: int) -> bool:
-        """A request of `length` tokens has reached max_tokens or max_model_len."""
-        return length - self.num_prompt_tokens >= self.params.max_tokens or length >= max_model_len
-
-    def ends_in_flight(self, max_model_len: int) -> bool:
+    def ends_in_flight(self) -> bool:
         """The samples in flight take it to max_tokens or max_model_len."""
-        length = len(self.token_ids) + self.samples_in_flight
-        return self.samples_in_flight > 0 and self._at_length_limit(length, max_model_len)
+        in_flight = self.samples_in_flight
+        return in_flight > 0 and len(self.token_ids) + in_flight >= self.length_limit
 
     @staticmethod
     def victim_order(policy: str) -> Callable[[Request], tuple[int, int, int] | tuple[int, int]]:
@@ -119,10 +116,12 @@ class Request:
         output, self.unsent = self.unsent, None
         return output if output is not None else RequestOutput(self.request_id, [])
 
-    def finish_reason(self, max_model_len: int) -> FinishReason | None:
+    def finish_reason(self) -> FinishReason | None:
         """Checked after each sampled token: stop tokens (after min_tokens), then length limits."""
-        if self.num_output >= self.params.min_tokens and self.token_ids[-1] in self.stops:
+        tokens = self.token_ids
+        num_output = len(tokens) - self.num_prompt_tokens
+        if tokens[-1] in self.stops and num_output >= self.params.min_tokens:
             return FinishReason.STOP
-        if self._at_length_limit(len(self.token_ids), max_model_len):
+        if len(tokens) >= self.length_limit:
             return FinishReason.LENGTH
         return None

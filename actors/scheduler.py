@@ -53,6 +53,7 @@ import itertools
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 
 import msgspec
 
@@ -128,7 +129,7 @@ class Scheduler(Actor):
     def on_add_request(self, message: AddRequest) -> None:
         if message.request_id in self.requests:
             return  # a re-sent request (the Engine's journal) that is already here
-        request = Request(message, self.eos_token_ids, next(self.arrivals))
+        request = Request(message, self.eos_token_ids, next(self.arrivals), self.max_model_len)
         self.requests[request.request_id] = request
         self._enqueue(request)
         self.counters.prompt_tokens += request.num_prompt_tokens
@@ -217,23 +218,22 @@ class Scheduler(Actor):
             self._make_seats()
         budget = self.config.max_num_batched_tokens
         counts: dict[str, int] = {}
-        decodes_first = sorted(self.running.values(), key=lambda r: r.num_unscheduled > 1)
-        for request in decodes_first:
+        running: dict[str, Request] = {}
+        held = True  # every count fits in the blocks its request holds
+        for request, unscheduled in self._decodes_first():
             if budget <= 0:
                 break
-            if request.ends_in_flight(self.max_model_len):
+            if request.ends_in_flight():
                 continue
-            count = min(request.num_unscheduled, budget)
+            count = unscheduled if unscheduled < budget else budget
             if count > 0:
-                counts[request.request_id] = count
+                rid = request.request_id
+                counts[rid] = count
+                running[rid] = request
                 budget -= count
-        running = {rid: self.running[rid] for rid in counts}
+                held = held and request.num_scheduled + count <= request.capacity
         admissions = self._offer_waiting(overlapped, budget)
-        if (
-            running
-            and not admissions
-            and all(r.num_scheduled + counts[rid] <= r.capacity for rid, r in running.items())
-        ):
+        if running and not admissions and held:
             self._plan_in_held_blocks(running, counts, overlapped)
             return
         pending = dict(running)
@@ -256,6 +256,18 @@ class Scheduler(Actor):
             "block_manager",
             AllocateStep(self.epoch, self.step_id, needs, budget, overlapped=overlapped),
         )
+
+    def _decodes_first(self) -> Iterator[tuple[Request, int]]:
+        """The running requests with their tokens left to schedule (Request.num_unscheduled):
+        those with at most one (decodes) first, then the others, each in running order."""
+        chunks = []
+        for request in self.running.values():
+            unscheduled = len(request.token_ids) + request.samples_in_flight - request.num_scheduled
+            if unscheduled > 1:
+                chunks.append((request, unscheduled))
+            else:
+                yield request, unscheduled
+        yield from chunks
 
     def _offer_waiting(self, overlapped: bool, budget: int) -> list[tuple[BlockNeed, Request]]:
         """Waiting requests to offer the BlockManager, in queue order, with their needs. It
@@ -289,8 +301,7 @@ class Scheduler(Actor):
         plan = StepPlan(self.epoch, self.step_id, self.removed, [], [])
         self.removed = []
         in_flight = []
-        for rid, request in running.items():
-            count = counts[rid]
+        for (rid, count), request in zip(counts.items(), running.values()):
             request.schedule_tokens(request.num_scheduled, count)
             in_flight.append((request, count))
             plan.running.append(RunningUpdate(rid, [], count))
@@ -444,22 +455,22 @@ class Scheduler(Actor):
             gathered = request.prompt_logprobs if request is not None else None
             if gathered is not None and chunk.start <= len(gathered):  # a recompute repeats some
                 gathered.extend(chunk.entries[len(gathered) - chunk.start :])
-        outputs = []
+        outputs, generated, requests = [], 0, self.requests
         logprobs = result.logprobs or itertools.repeat(None)
         for rid, token, lp in zip(result.request_ids, result.token_ids, logprobs):
-            request = self.requests.get(rid)
+            request = requests.get(rid)
             if request is None:  # finished or aborted while the step ran
                 continue
             request.samples_in_flight -= 1
             request.token_ids.append(token)
-            self.counters.generation_tokens += 1
+            generated += 1
             output = request.take_output()
             output.token_ids.append(token)
             if lp is not None:
                 output.logprobs.append(lp)
             if request.prompt_logprobs is not None:
                 output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
-            reason = request.finish_reason(self.max_model_len)
+            reason = request.finish_reason()
             if reason is None and request.holds_output:
                 request.unsent = output
                 continue
@@ -468,6 +479,7 @@ class Scheduler(Actor):
                 output.cached_tokens = request.cached_tokens or 0
                 self._finish(request)
             outputs.append(output)
+        self.counters.generation_tokens += generated
         return outputs
 
     def _flush_held(self, outputs: list[RequestOutput]) -> None:
