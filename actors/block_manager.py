@@ -4,8 +4,8 @@ Inbox: AllocateStep, FreeBlocks, Reset (Scheduler); StatsQuery (from the Schedul
 Engine); Stop. AllocateStep and FreeBlocks of another epoch than the last Reset's are dropped.
 Outbox: Allocation -> Scheduler; StatsReply -> Engine; Ready, Heartbeat -> supervisor.
 Owns: the free list and every request's block table.
-Dies when: Stop, SIGTERM, or its supervisor goes away; or an allocation fails (the pool may be
-inconsistent): it exits and the supervisor's restart recovers every request.
+Dies when: Stop, or its supervisor goes away (then by SIGTERM); or an allocation fails (the
+pool may be inconsistent): it exits and the supervisor's restart recovers every request.
 """
 
 from __future__ import annotations

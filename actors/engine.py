@@ -5,7 +5,7 @@ Client socket (ROUTER): GenerateRequest, AbortRequest, HealthRequest, Ping in; D
 HealthReply, Pong out, each to the client identity that asked.
 Outbox: AddRequest, AbortRequests, StatsQuery -> Scheduler.
 Owns: the tokenizer; the journal of live requests (prompt ids, params, tokens sent so far).
-Dies when: Stop, SIGTERM, or its supervisor goes away. A client's bad bytes never kill it.
+Dies when: Stop, or its supervisor goes away (then by SIGTERM). A client's bad bytes never kill it.
 On Recover (another actor restarted) it re-submits every live request with the tokens already
 streamed, so generation resumes where it was: nothing lost, nothing sent twice.
 

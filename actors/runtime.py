@@ -160,7 +160,7 @@ class Actor:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self.request_stop)
+        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
         socket = self.ctx.socket(zmq.PULL)
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.bind(self.addresses.mailbox(self.name))
@@ -186,6 +186,17 @@ class Actor:
 
     def request_stop(self) -> None:
         self._stopped.set()
+
+    def _on_sigterm(self) -> None:
+        """SIGTERM stops an actor whose supervisor is gone (PR_SET_PDEATHSIG sends it then).
+        While the supervisor lives, stopping is its call: a SIGTERM sent to the whole process
+        group or cgroup (`timeout`, `kill -- -PGID`, systemd's default KillMode) reaches it
+        too, and it drains the requests in flight before it sends each actor Stop; an actor
+        that quit at once would drop them, and be restarted mid-drain."""
+        if os.getppid() != self._parent_pid:
+            self.request_stop()
+        else:
+            self.log.info("SIGTERM: left to the supervisor, which drains, then stops the actors")
 
     async def on_stop(self, message: Stop) -> None:
         self.log.info("stopping%s", f": {message.reason}" if message.reason else "")

@@ -5,7 +5,7 @@ Inbox: AddRequest, AbortRequests, StatsQuery (Engine); Allocation (BlockManager)
 Outbox: AllocateStep, FreeBlocks, StatsQuery, Reset -> BlockManager; StepPlan, Reset -> the
 Worker's forward thread (its mailbox WORKER_STEPS); TokensOut, Recover -> Engine.
 Owns: the waiting queue and running set, every request's tokens and computed-token count.
-Dies when: Stop, SIGTERM, or its supervisor goes away.
+Dies when: Stop, or its supervisor goes away (then by SIGTERM).
 
 A step: pick requests under `max_num_seqs` and `max_num_batched_tokens` (the new requests' share
 is spent by the BlockManager, which knows their prefix-cache hits) -> one AllocateStep round trip

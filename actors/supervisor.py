@@ -327,7 +327,8 @@ class Supervisor:
             return False
 
     async def stop(self, reason: str = "shutdown") -> None:
-        """Stop the actors in order (Engine first), each by Stop, then SIGTERM, then SIGKILL."""
+        """Stop the actors in order (Engine first), each by Stop, then SIGKILL. (An actor takes
+        SIGTERM only once its supervisor is gone: Actor._on_sigterm.)"""
         if self._done.is_set():
             return
         current = asyncio.current_task()
@@ -340,10 +341,8 @@ class Supervisor:
                 continue
             self._send(name, Stop(reason))
             if not await self._wait_exit(actor, self.config.stop_timeout_s):
-                actor.process.terminate()
-                if not await self._wait_exit(actor, 5.0):
-                    actor.process.kill()
-                    await self._wait_exit(actor, 5.0)
+                actor.process.kill()
+                await self._wait_exit(actor, 5.0)
         for socket in self._outboxes.values():
             socket.close(linger=0)
         if self.mailbox is not None:

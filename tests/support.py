@@ -119,7 +119,8 @@ def generate_concurrently(address: str, prompts, params: SamplingParams):
 
 
 class EngineServer:
-    """`actorserve serve` in a subprocess: the supervisor and its four actor processes."""
+    """`actorserve serve` in a subprocess: the supervisor and its four actor processes
+    (`new_session`: in a process group of their own, which a test may signal as a whole)."""
 
     def __init__(
         self,
@@ -127,6 +128,7 @@ class EngineServer:
         *flags: str,
         ready_timeout_s: float = 180.0,
         env: dict[str, str] | None = None,
+        new_session: bool = False,
     ):
         self.run_dir = tempfile.mkdtemp(prefix="actorserve-test-")
         self.address = f"ipc://{self.run_dir}/engine.sock"
@@ -153,6 +155,7 @@ class EngineServer:
             stderr=self._log,
             text=True,
             env={**os.environ, **(env or {})},
+            start_new_session=new_session,
         )
         line = self._read_line(ready_timeout_s)
         if "serving" not in line:

@@ -296,6 +296,32 @@ def test_sigterm_finishes_in_flight_streams_refuses_new_ones_and_exits_zero(llam
         server.stop()
 
 
+def test_sigterm_to_the_whole_process_group_drains_as_sigterm_to_the_supervisor(llama_dir):
+    """`timeout`, `kill -- -PGID` and systemd's default stop signal every process at once: the
+    actors leave it to their supervisor, which drains the stream in flight (no actor quits
+    early and none is restarted) and exits 0."""
+    server = EngineServer(llama_dir, new_session=True)
+    prompt = prompts_of_lengths(llama_dir, [40])[0]
+    params = SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)
+
+    async def run():
+        async with AsyncClient(server.address, timeout_s=60) as client:
+            stream = client.generate(prompt, params)
+            tokens = list((await anext(stream)).token_ids)
+            os.killpg(server.proc.pid, signal.SIGTERM)
+            async for delta in stream:
+                tokens += delta.token_ids
+            return tokens
+
+    try:
+        tokens = asyncio.run(run())
+        assert len(tokens) == 800
+        assert server.proc.wait(60) == 0
+        assert "restarting" not in server.log() and "exited with code" not in server.log()
+    finally:
+        server.stop()
+
+
 @pytest.mark.slow
 def test_supervisord_restarts_a_killed_serve_process(llama_dir):
     run = Path(tempfile.mkdtemp(prefix="actorserve-supervisord-"))

@@ -4,7 +4,7 @@ Inbox: StepPlan, Reset (Scheduler), read by the forward thread from its own mail
 (WORKER_STEPS); Stop, on the event loop's. Plans of another epoch than the last Reset's are dropped.
 Outbox: StepResult -> Scheduler; Ready (with num_kv_blocks), Heartbeat -> supervisor.
 Owns: model weights, KV cache tensors, the persistent batch (runner.py).
-Dies when: Stop, SIGTERM, or its supervisor goes away. A failing step is answered with
+Dies when: Stop, or its supervisor goes away (then by SIGTERM). A failing step is answered with
 StepResult.error, and the Worker keeps serving.
 
 The forward runs on a thread of its own so the event loop keeps sending heartbeats meanwhile.
