@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from actorserve.actors.config import EngineConfig
+from actorserve.actors.worker.block_tables import BlockTables
 from actorserve.actors.worker.worker import build_runner
 from actorserve.messages.common import SamplingParams
 from actorserve.messages.step import NewRequest, RunningUpdate, StepPlan
@@ -103,10 +104,13 @@ def decode_plans(runner, request_ids: list[str], steps: int, first_step: int = 2
         yield StepPlan(0, step, [], running, [])
 
 
-def started(llama_dir, params: list[SamplingParams]):
+def started(llama_dir, params: list[SamplingParams], table_columns: int | None = None):
     """A runner whose batch holds one request per params, prompts of 20, 50 and 35 tokens, each
-    prefilled and its first token sampled."""
+    prefilled and its first token sampled (`table_columns`: its block tables start that narrow,
+    so they grow while the requests decode)."""
     runner = new_runner(llama_dir, num_kv_blocks=128)
+    if table_columns is not None:
+        runner.block_tables = BlockTables(4, table_columns)
     prompts, blocks = [list(range(1, 21)), list(range(3, 53)), list(range(9, 44))], [2, 4, 3]
     new, first = [], 0
     for i, (prompt, n, p) in enumerate(zip(prompts, blocks, params)):
@@ -118,11 +122,12 @@ def started(llama_dir, params: list[SamplingParams]):
     return runner
 
 
-def test_decoding_the_same_requests_again_advances_the_last_steps_numbers(llama_dir):
-    """Forty decode steps of three requests, crossing block boundaries: each step after the first
-    takes its inputs from the last step's (DecodeBatch), field by field what the numpy path makes
-    from the requests themselves."""
-    runner = started(llama_dir, [GREEDY] * 3)
+@pytest.mark.parametrize("columns", [None, 4], ids=["tables-wide", "tables-grow"])
+def test_decoding_the_same_requests_again_advances_the_last_steps_numbers(llama_dir, columns):
+    """Forty decode steps of three requests, crossing block boundaries (and, from 4 columns,
+    widening the block tables): each step after the first takes its inputs from the last step's
+    (DecodeBatch), field by field what the numpy path makes from the requests themselves."""
+    runner = started(llama_dir, [GREEDY] * 3, columns)
     prepare, reused = runner.prepare, []
 
     def checked(scheduled):
