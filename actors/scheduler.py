@@ -258,11 +258,11 @@ class Scheduler(Actor):
         )
 
     def _decodes_first(self) -> Iterator[tuple[Request, int]]:
-        """The running requests with their tokens left to schedule (Request.num_unscheduled):
-        those with at most one (decodes) first, then the others, each in running order."""
+        """The running requests with their tokens left to schedule: those with at most one
+        (decodes) first, then the others, each in running order."""
         chunks = []
         for request in self.running.values():
-            unscheduled = len(request.token_ids) + request.samples_in_flight - request.num_scheduled
+            unscheduled = request.num_unscheduled
             if unscheduled > 1:
                 chunks.append((request, unscheduled))
             else:

@@ -412,13 +412,21 @@ def store_kv(
 
 
 class DecodeInputs:
-    """A step of `n` decodes' flat inputs (see cpu_step_inputs.c), for requests of at most
-    `columns` blocks: buffers, and the torch tensors viewing them (input_ids, positions, slots
-    [n] int64; seq_lens [n], query_start_loc [n + 1], tables [n, width] int32, rows `columns`
-    apart). `fill` rewrites them in place, so a step that reuses the object makes no arrays."""
+    """A step of decodes' flat inputs (see cpu_step_inputs.c) from `requests` [n, 4] int64
+    C-contiguous (tokens computed, blocks held, block table row, the token at that position),
+    for requests of at most `columns` blocks: buffers, and the torch tensors viewing them
+    (input_ids, positions, slots [n] int64; seq_lens [n], query_start_loc [n + 1], tables
+    [n, width] int32, rows `columns` apart). `fill` rewrites them in place, so a step that reuses
+    the object makes no arrays; the pointers are taken once (each `.ctypes` costs tens of us on
+    the caches a step leaves)."""
 
-    def __init__(self, n: int, columns: int):
+    def __init__(self, requests: np.ndarray, columns: int):
+        n = requests.shape[0]
         self.n, self.columns, self.width = n, columns, 0
+        self._requests = requests  # kept alive: the C call writes to it through the pointer
+        self._requests_data = requests.ctypes.data
+        self._table: np.ndarray | None = None
+        self._table_data = 0
         self._out64 = np.empty(3 * n, dtype=np.int64)
         self._out32 = np.empty(n * columns + 2 * n + 1, dtype=np.int32)
         out64, out32 = torch.from_numpy(self._out64), torch.from_numpy(self._out32)
@@ -436,20 +444,20 @@ class DecodeInputs:
     def fill(
         self,
         lib: ctypes.CDLL,
-        requests: np.ndarray,
         table: np.ndarray,
         block_size: int,
         next_tokens: torch.Tensor | None = None,
     ) -> int | None:
-        """requests [n, 4] int64 C-contiguous (tokens computed, blocks held, block table row, the
-        token at that position), table [rows, columns] int32 C-contiguous -> None, or the index of
-        the first request whose token lies past its blocks (the outputs are then invalid).
-        next_tokens [n] int64 contiguous: each request first moves on by that token (one more
-        computed, the token its next), in `requests` too."""
+        """table [rows, columns] int32 C-contiguous -> None, or the index of the first request
+        whose token lies past its blocks (the outputs are then invalid). next_tokens [n] int64
+        contiguous: each request first moves on by that token (one more computed, the token its
+        next), in `requests` too."""
         if table.shape[1] > self.columns:
             raise ValueError(f"a block table of {table.shape[1]} columns in {self.columns}")
+        if table is not self._table:  # the block tables grew a new array
+            self._table, self._table_data = table, table.ctypes.data
         status = lib.decode_inputs(
-            requests.ctypes.data, self.n, table.ctypes.data, table.shape[1], block_size,
+            self._requests_data, self.n, self._table_data, table.shape[1], block_size,
             *self._outputs, None if next_tokens is None else next_tokens.data_ptr(),
         )  # fmt: skip
         if status < 0:

@@ -55,7 +55,7 @@ class DecodeBatch:
         sample_ids, sample_rows, _ = sample_rows_of(scheduled, requests, ends)
         reads = any(row.plain_from != 0 for row in sample_rows)  # see sampler.is_plain_greedy
         index = None if len(samples) == n else samples
-        inputs = native.DecodeInputs(n, columns)
+        inputs = native.DecodeInputs(numbers, columns)
         return cls(scheduled, requests, numbers, inputs, index, sample_ids, sample_rows, reads)
 
     def grew(self, grown: list[tuple[int, CachedRequest]]) -> None:
@@ -75,7 +75,7 @@ class DecodeBatch:
     def fill(self, lib, table: np.ndarray, block_size: int) -> int | None:
         """The step's flat inputs into `inputs` (kernels/native.py DecodeInputs.fill)."""
         tokens, self.next_tokens = self.next_tokens, None
-        return self.inputs.fill(lib, self.numbers, table, block_size, tokens)
+        return self.inputs.fill(lib, table, block_size, tokens)
 
 
 def sample_rows_of(scheduled, requests: list[CachedRequest], samples) -> tuple[list, list, list]:

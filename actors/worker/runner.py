@@ -194,7 +194,7 @@ class ModelRunner:
         dozen fewer numpy calls, each slow on the caches the last step streamed through)."""
         table = self.block_tables.table
         if table.shape[1] > batch.inputs.columns:  # the block tables grew a column
-            batch.inputs = native.DecodeInputs(len(batch.requests), table.shape[1])
+            batch.inputs = native.DecodeInputs(batch.numbers, table.shape[1])
         inputs = batch.inputs
         past = batch.fill(self.native, table, self.block_size)
         if past is not None:
