@@ -212,8 +212,24 @@ def machine_line(threads: int) -> str:
 
     return (
         f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} with {threads} threads, "
-        f"load {load_average():.2f}, {time.strftime('%Y-%m-%d %H:%M')}"
+        f"load {load_average():.2f}, {time.strftime('%Y-%m-%d %H:%M')}{cpu_idle()}"
     )
+
+
+def cpu_idle() -> str:
+    """How the CPUs idle, where Linux says: in a VM with cpuidle-haltpoll, how long a virtual
+    CPU polls before it halts (with 0 every wake-up of an idle CPU is a trip through the
+    hypervisor: the ipc round trip's floor)."""
+    cpuidle = Path("/sys/devices/system/cpu/cpuidle")
+    try:
+        driver = (cpuidle / "current_driver").read_text().strip()
+    except OSError:
+        return ""
+    try:
+        poll_ns = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns").read_text().strip()
+        return f", cpuidle {driver} (guest_halt_poll_ns {poll_ns})"
+    except OSError:
+        return f", cpuidle {driver}"
 
 
 def default_threads() -> int:

@@ -19,25 +19,17 @@
    traces: StepResult message, the Scheduler (stop checks, outputs, the next StepPlan), the
    BlockManager round trip (only steps that need blocks have one), the StepPlan message (with
    async scheduling these overlap the forward and cost CPU on the same cores instead of waiting).
-2. Message round trip over ipc://, two processes on uvloop with the actors' LoopSocket: a
-   StepPlan of N requests encoded, sent, decoded by the other side, answered with the StepResult
-   of N tokens, decoded. The delta plan (N RunningUpdates, the steady state) and a full one
-   (N NewRequests with their prompts) are measured, and an empty message as the floor; then the
-   same with plain blocking zmq calls on both ends, which shows what the event loops add, and a
-   raw socketpair ping-pong, the operating system's own floor on this machine. Then the
-   asyncio delta plan and the socketpair again with both processes pinned to one CPU: the
-   difference is what waking a process on another CPU costs (in a VM, an inter-processor
-   interrupt and often a halted virtual CPU to wake).
+2. Message round trip over ipc:// (scripts/ipc_round_trip.py): a StepPlan of N requests out, the
+   StepResult of N tokens back, with the two ends paired as in the engine (the Scheduler's
+   LoopSocket, the Worker's forward thread), both on LoopSocket, and both on blocking zmq; the
+   operating system's floor (a socketpair ping-pong); the same on one CPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc  # noqa: E402
+import ipc_round_trip  # noqa: E402
 
 # -- 1. step breakdown ------------------------------------------------------------------------
 
@@ -245,211 +238,6 @@ def control_loop_breakdown(steps: list[dict], events: list[dict], batch: int) ->
     return rows
 
 
-# -- 2. message round trip --------------------------------------------------------------------
-
-
-WARMUP = 50  # round trips before the measured ones
-
-
-def _plans(n: int, prompt_len: int):
-    from actorserve.messages.common import SamplingParams
-    from actorserve.messages.step import NewRequest, RunningUpdate, StepPlan, StepResult
-
-    ids = [f"req-{i:032x}" for i in range(n)]  # the Engine's ids are uuid-sized
-    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
-    delta = StepPlan(7, 1, [], [RunningUpdate(r, [], 1) for r in ids], [])
-    full = StepPlan(
-        7,
-        1,
-        [],
-        [],
-        [
-            NewRequest(r, list(range(1000, 1000 + prompt_len)), prompt_len,
-                       list(range(i * 32, i * 32 + prompt_len // 16 + 1)), prompt_len, params)
-            for i, r in enumerate(ids)
-        ],
-    )  # fmt: skip
-    result = StepResult(7, 1, ids, list(range(n)), forward_s=0.01)
-    return {"empty": StepPlan(7, 1, [], [], []), "delta": delta, "full": full}, result
-
-
-def _echo_main(inbox: str, outbox: str, n: int, prompt_len: int, mode: str) -> None:
-    """The Worker's side: decode each StepPlan with the Worker's decoder, answer a StepResult."""
-    import zmq
-
-    from actorserve.actors.runtime import LoopSocket
-    from actorserve.messages.codec import Decoder, WorkerStepsInbox, encode
-
-    _, result = _plans(n, prompt_len)
-    empty_result = type(result)(7, 1, [], [])
-
-    if mode == "blocking":
-        ctx = zmq.Context()
-        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-        pull.bind(inbox)
-        push.connect(outbox)
-        decoder = Decoder(WorkerStepsInbox)
-        while (data := pull.recv(copy=False).bytes) != b"stop":
-            plan = decoder.decode(data)
-            push.send(encode(result if (plan.running or plan.new) else empty_result), copy=False)
-        pull.close(0)
-        push.close(0)
-        ctx.term()
-        return
-
-    async def serve() -> None:
-        ctx = zmq.Context()
-        pull = ctx.socket(zmq.PULL)
-        pull.bind(inbox)
-        mailbox = LoopSocket(pull)
-        push = ctx.socket(zmq.PUSH)
-        push.connect(outbox)
-        decoder = Decoder(WorkerStepsInbox)
-        while (data := await mailbox.receive()) != b"stop":
-            plan = decoder.decode(data)
-            reply = result if (plan.running or plan.new) else empty_result
-            push.send(encode(reply), copy=False)
-        mailbox.close()
-        push.close(0)
-        ctx.term()
-
-    _run_loop(serve())
-
-
-def _run_loop(coro) -> None:
-    try:
-        import uvloop
-
-        uvloop.run(coro)
-    except ImportError:
-        asyncio.run(coro)
-
-
-@contextlib.contextmanager
-def placement(one_cpu: bool):
-    """Pin this process (and what it starts meanwhile: the echo process, zmq's I/O threads) to
-    its first allowed CPU, or leave it where it is."""
-    if not one_cpu or not hasattr(os, "sched_setaffinity"):
-        yield "" if not one_cpu else None
-        return
-    allowed = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(allowed)})
-    try:
-        yield ", one CPU"
-    finally:
-        os.sched_setaffinity(0, allowed)
-
-
-def ipc_round_trips(
-    n: int, prompt_len: int, iterations: int, mode: str, names: tuple[str, ...], where: str
-) -> list[dict]:
-    """mode `asyncio`: both ends on uvloop with the actors' LoopSocket; `blocking`: plain
-    blocking zmq calls on both ends (the transport and codec alone, for comparison). `names`:
-    which plans of _plans; `where`: the placement's label."""
-    import zmq
-
-    from actorserve.actors.runtime import LoopSocket
-    from actorserve.messages.codec import Decoder, SchedulerInbox, encode
-
-    plans, _ = _plans(n, prompt_len)
-    plans = {name: plans[name] for name in names}
-    rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="actorserve-ipc-") as tmp:
-        inbox, outbox = f"ipc://{tmp}/worker.sock", f"ipc://{tmp}/scheduler.sock"
-        echo_command = [sys.executable, str(Path(__file__).resolve()), "--echo-server"]
-        echo_command += [inbox, outbox, str(n), str(prompt_len), mode]
-        echo = None
-
-        async def measure() -> None:
-            nonlocal echo
-            blocking = mode == "blocking"
-            ctx = zmq.Context()
-            pull = ctx.socket(zmq.PULL)
-            pull.bind(outbox)
-            mailbox = LoopSocket(pull)
-            echo = subprocess.Popen(echo_command)
-            push = ctx.socket(zmq.PUSH)
-            push.connect(inbox)
-            decoder = Decoder(SchedulerInbox)
-            for name, plan in plans.items():
-                samples = []
-                size = len(encode(plan))
-                for i in range(iterations + WARMUP):
-                    start = time.perf_counter()
-                    push.send(encode(plan), copy=False)
-                    data = pull.recv() if blocking else await mailbox.receive()
-                    reply = decoder.decode(data)
-                    elapsed = time.perf_counter() - start
-                    assert reply.step_id == 1
-                    if i >= WARMUP:
-                        samples.append(elapsed)
-                label = f"StepPlan {name}" + ("" if name == "empty" else f", {n} reqs")
-                rows.append(latency_row(f"{label} ({mode}{where})", mode, size, samples, where))
-            push.send(b"stop")
-            mailbox.close()
-            push.close(linger=1000)
-            ctx.term()
-
-        try:
-            _run_loop(measure())
-        finally:
-            if echo is not None:
-                try:
-                    echo.wait(10)
-                except subprocess.TimeoutExpired:
-                    echo.kill()
-    return rows
-
-
-ECHO_ON_FD = """
-import socket, sys
-s = socket.socket(fileno=int(sys.argv[1]))
-while (data := s.recv(65536)) != b"stop":
-    s.sendall(data)
-"""
-
-
-def socketpair_floor(iterations: int, where: str) -> dict:
-    """The operating system's floor: an 18-byte ping-pong over a Unix socketpair between two
-    processes, no ZeroMQ and no codec (two cross-process wake-ups per round trip)."""
-    import socket
-
-    ours, theirs = socket.socketpair()
-    echo = subprocess.Popen(
-        [sys.executable, "-c", ECHO_ON_FD, str(theirs.fileno())], pass_fds=[theirs.fileno()]
-    )
-    theirs.close()
-    samples = []
-    try:
-        for i in range(iterations + WARMUP):
-            start = time.perf_counter()
-            ours.sendall(b"x" * 18)
-            ours.recv(65536)
-            if i >= WARMUP:
-                samples.append(time.perf_counter() - start)
-        ours.sendall(b"stop")
-    finally:
-        ours.close()
-        echo.wait(10)
-    label = f"18 bytes over a socketpair (OS floor, no zmq{where})"
-    return latency_row(label, "socketpair", 18, samples, where)
-
-
-def latency_row(message: str, mode: str, size: int, samples: list[float], where: str) -> dict:
-    """One row of the ipc table from round-trip times in seconds (warm-up already left out)."""
-    return {
-        "table": "ipc",
-        "message": message,
-        "mode": mode,
-        "one_cpu": bool(where),
-        "bytes": size,
-        "p50_us": bc.percentile(samples, 50) * 1e6,
-        "p99_us": bc.percentile(samples, 99) * 1e6,
-        "mean_us": statistics.fmean(samples) * 1e6,
-        "iterations": len(samples),
-    }
-
-
 STEP_COLUMNS = [
     bc.Column("phase", "phase"),
     bc.Column("mean_ms", "mean ms/step", "{:.2f}"),
@@ -466,21 +254,8 @@ CPU_COLUMNS = [
     bc.Column("cpu_s", "CPU s", "{:.2f}"),
     bc.Column("cores", "cores busy (CPU s / wall s)", "{:.2f}"),
 ]
-IPC_COLUMNS = [
-    bc.Column("message", "round trip (-> StepResult back)"),
-    bc.Column("bytes", "plan bytes", "{:d}"),
-    bc.Column("p50_us", "p50 us", "{:.0f}"),
-    bc.Column("p99_us", "p99 us", "{:.0f}"),
-    bc.Column("mean_us", "mean us", "{:.0f}"),
-]
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--echo-server"]:  # the other end of the ipc round trip (a subprocess)
-        inbox, outbox, n, prompt_len, mode = argv[1:6]
-        _echo_main(inbox, outbox, int(n), int(prompt_len), mode)
-        return 0
     parser = argparse.ArgumentParser(prog="bench_overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo", help="checkpoint kind or directory")
     parser.add_argument("--num-requests", type=int, default=64, help="the batch (default 64)")
@@ -546,20 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     if not args.skip_ipc:
-        ipc_rows = []
-        n, iterations = args.num_requests, args.ipc_iterations
-        ipc_rows += ipc_round_trips(n, 256, iterations, "asyncio", ("empty", "delta", "full"), "")
-        ipc_rows += ipc_round_trips(n, 256, iterations, "blocking", ("empty", "delta"), "")
-        ipc_rows.append(socketpair_floor(iterations, ""))
-        with placement(one_cpu=True) as where:
-            if where is not None:
-                ipc_rows += ipc_round_trips(n, 256, iterations, "asyncio", ("delta",), where)
-                ipc_rows.append(socketpair_floor(iterations, where))
+        ipc_rows = ipc_round_trip.ipc_table(args.num_requests, args.ipc_iterations)
         rows += ipc_rows
         out.append(
             bc.format_table(
                 ipc_rows,
-                IPC_COLUMNS,
+                ipc_round_trip.COLUMNS,
                 title=f"ipc:// round trip, StepPlan out and StepResult of {args.num_requests} "
                 f"tokens back ({args.ipc_iterations} each; full plan = prompts of 256 tokens):",
             )

@@ -61,10 +61,10 @@ def test_bench_overhead_measures_the_ipc_round_trips_against_the_os_floor(tmp_pa
         json_path=tmp_path / "ipc.json",
     )  # fmt: skip
     modes = {r["mode"] for r in rows}
-    assert modes == {"asyncio", "blocking", "socketpair"}
+    assert modes == {"engine", "asyncio", "blocking", "socketpair"}
     assert all(r["p50_us"] > 0 and r["iterations"] == 50 for r in rows)
     one_cpu = {r["mode"] for r in rows if r["one_cpu"]}
-    assert one_cpu == {"asyncio", "socketpair"}  # the same round trips without a CPU to wake
+    assert one_cpu == {"engine", "socketpair"}  # the same round trips without a CPU to wake
 
 
 def test_bench_overhead_splits_the_step_and_the_wait_between_steps_hop_by_hop(llama_dir, tmp_path):
