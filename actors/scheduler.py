@@ -301,7 +301,8 @@ class Scheduler(Actor):
         plan = StepPlan(self.epoch, self.step_id, self.removed, [], [])
         self.removed = []
         in_flight = []
-        for (rid, count), request in zip(counts.items(), running.values()):
+        for rid, request in running.items():
+            count = counts[rid]
             request.schedule_tokens(request.num_scheduled, count)
             in_flight.append((request, count))
             plan.running.append(RunningUpdate(rid, [], count))

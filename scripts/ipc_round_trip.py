@@ -116,17 +116,20 @@ def run_loop(coro) -> None:
         asyncio.run(coro)
 
 
+ONE_CPU = ", one CPU"  # the label of the rows measured with both processes on one CPU
+
+
 @contextlib.contextmanager
-def placement(one_cpu: bool):
+def on_one_cpu():
     """Pin this process (and what it starts meanwhile: the echo process, zmq's I/O threads) to
-    its first allowed CPU, or leave it where it is."""
-    if not one_cpu or not hasattr(os, "sched_setaffinity"):
-        yield "" if not one_cpu else None
+    its first allowed CPU while the block runs; yields False where it cannot pin."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield False
         return
     allowed = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(allowed)})
     try:
-        yield ", one CPU"
+        yield True
     finally:
         os.sched_setaffinity(0, allowed)
 
@@ -134,7 +137,7 @@ def placement(one_cpu: bool):
 def round_trips(
     n: int, prompt_len: int, iterations: int, mode: str, names: tuple[str, ...], where: str
 ) -> list[dict]:
-    """One row per plan of `names` in pairing `mode` (MODES); `where`: the placement's label."""
+    """One row per plan of `names` in pairing `mode` (MODES); `where`: "" or ONE_CPU."""
     import zmq
 
     from actorserve.actors.runtime import LoopSocket
@@ -246,10 +249,10 @@ def ipc_table(n: int, iterations: int, prompt_len: int = 256) -> list[dict]:
     rows += round_trips(n, prompt_len, iterations, "asyncio", ("empty", "delta", "full"), "")
     rows += round_trips(n, prompt_len, iterations, "blocking", ("empty", "delta"), "")
     rows.append(socketpair_floor(iterations, ""))
-    with placement(one_cpu=True) as where:
-        if where is not None:
-            rows += round_trips(n, prompt_len, iterations, "engine", ("delta",), where)
-            rows.append(socketpair_floor(iterations, where))
+    with on_one_cpu() as pinned:
+        if pinned:
+            rows += round_trips(n, prompt_len, iterations, "engine", ("delta",), ONE_CPU)
+            rows.append(socketpair_floor(iterations, ONE_CPU))
     return rows
 
 
