@@ -5,7 +5,8 @@ Invariants (checked by tests/test_block_pool.py after every operation):
   across all block tables and is not in the free queue;
 - a request whose table has n blocks has room for n * block_size tokens;
 - a full block of a request may carry a hash chained over all tokens up to its end
-  (hash(parent_hash, its tokens)); `cached` maps such hashes to blocks, and a cached block keeps
+  (block_hash(parent hash, its tokens), the first block's parent the root of the request's
+  cache salt: see block_hash.py); `cached` maps such hashes to blocks, and a cached block keeps
   its content until it is handed out again as a fresh block (evicted least-recently-freed first).
 A new request reuses the longest chain of cached full blocks whose tokens match, always leaving
 at least one prompt token to compute (the step that computes it produces the logits).
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ..messages.blocks import Allocation, BlockNeed, Grant
+from .block_hash import NO_SALT, chain_hashes, chain_root
 
 
 class Block:
@@ -25,8 +27,8 @@ class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
-        self.parent: int | None = None
+        self.hash: bytes | None = None
+        self.parent: bytes | None = None
         self.tokens: tuple[int, ...] = ()
 
 
@@ -46,10 +48,11 @@ class BlockPool:
         self.prefix_caching = prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}  # chained hash -> block id
+        self.cached: dict[bytes, int] = {}  # chained hash -> block id
         self.tables: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}  # what the pool has been told of each request
-        self.chain: dict[str, tuple[int, int | None]] = {}  # (full blocks hashed, last hash)
+        # (full blocks hashed, last hash: the salt's root before any): set on admission
+        self.chain: dict[str, tuple[int, bytes]] = {}
         self.swap = swap
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
@@ -118,22 +121,22 @@ class BlockPool:
 
     # -- prefix cache --------------------------------------------------------------------------
 
-    def _chain(self, tokens: list[int], count: int, parent: int | None, start: int = 0):
+    def _chain(self, tokens: list[int], count: int, parent: bytes, start: int = 0):
         """Yield (hash, parent hash, block tokens) for full blocks start..count-1."""
         bs = self.block_size
-        for i in range(start, count):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            h = hash((parent, chunk))
-            yield h, parent, chunk
+        hashes = chain_hashes(parent, tokens[start * bs : count * bs], bs)
+        for i, h in enumerate(hashes, start):
+            yield h, parent, tuple(tokens[i * bs : (i + 1) * bs])
             parent = h
 
-    def _lookup(self, tokens: list[int]) -> list[int]:
-        """Blocks holding the longest cached prefix of `tokens`, leaving >= 1 token to compute."""
+    def _lookup(self, tokens: list[int], root: bytes = NO_SALT) -> list[int]:
+        """Blocks holding the longest cached prefix of `tokens` in the chain from `root` (its
+        cache salt's), leaving >= 1 token to compute."""
         if not self.prefix_caching:
             return []
         hits: list[int] = []
         usable = (len(tokens) - 1) // self.block_size
-        for h, parent, chunk in self._chain(tokens, usable, None):
+        for h, parent, chunk in self._chain(tokens, usable, root):
             block_id = self.cached.get(h)
             if block_id is None:
                 break
@@ -148,7 +151,7 @@ class BlockPool:
         if not self.prefix_caching:
             return
         table, tokens = self.tables[request_id], self.tokens[request_id]
-        done, parent = self.chain.get(request_id, (0, None))
+        done, parent = self.chain.get(request_id, (0, NO_SALT))
         full = min(num_tokens, len(tokens)) // self.block_size
         for i, (h, parent_h, chunk) in enumerate(self._chain(tokens, full, parent, done), done):
             block = self.blocks[table[i]]
@@ -240,6 +243,8 @@ class BlockPool:
         """A waiting request: swap its KV back in, or reuse cached prefix blocks and allocate
         for at most `budget` more tokens; None when it does not fit (it waits)."""
         rid, tokens = need.request_id, list(need.token_ids)
+        root = chain_root(need.cache_salt)
+        chained = (0, root)  # what is hashed of its chain: (re)hash its blocks from the root
         if rid in self.swapped:
             computed, count = need.num_computed, min(need.num_new_tokens, budget)
             # it may hold more blocks than its tokens need (lookahead room swapped out with it)
@@ -258,7 +263,7 @@ class BlockPool:
             self.tokens[rid] = tokens
         else:
             lookup = need.num_computed == 0 and not need.no_prefix_hits
-            hits = self._lookup(tokens) if lookup else []
+            hits = self._lookup(tokens, root) if lookup else []
             computed = max(need.num_computed, len(hits) * self.block_size)
             count = min(need.num_new_tokens, len(tokens) - computed, budget)
             want = -(-(computed + count) // self.block_size) - len(hits)
@@ -273,6 +278,9 @@ class BlockPool:
             self.tables[rid] = list(hits)
             self.tokens[rid] = tokens
             self.allocate(rid, want)
+            if hits:  # the lookup hashed these already
+                chained = (len(hits), self.blocks[hits[-1]].hash)
+        self.chain[rid] = chained
         self._register(rid, computed + count)
         return Grant(rid, list(self.tables[rid]), computed, count)
 

@@ -109,6 +109,7 @@ class Request:
             self.token_ids[told:],
             is_new and self.prompt_logprobs is not None,  # computes its whole prompt
             lookahead=0 if is_new else block_size,
+            cache_salt=self.params.cache_salt if is_new else None,
         )
 
     def take_output(self) -> RequestOutput:

@@ -26,6 +26,9 @@ class BlockNeed(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     no_prefix_hits: bool = False
     fork_of: str | None = None  # share this running request's blocks (copy-on-write)
     lookahead: int = 0
+    # A new request's SamplingParams.cache_salt: its blocks hash in a chain of that salt's, so
+    # requests of different salts never share a block (last: array_like fields only append).
+    cache_salt: str | None = None
 
 
 class AllocateStep(msgspec.Struct, tag=True, array_like=True, gc=False):
