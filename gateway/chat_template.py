@@ -31,6 +31,8 @@ class ChatTemplate:
         if "torch" in sys.modules:  # transformers pulls it in: keep it off the Worker's cores
             sys.modules["torch"].set_num_threads(1)
         self.builtin = not getattr(self.tokenizer, "chat_template", None)
+        # a chat longer than messages.common.max_prompt_chars allows is refused untokenized
+        self.longest_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         if self.builtin:
             log.warning(
                 "the tokenizer in %s has no chat template: /v1/chat/completions uses a "

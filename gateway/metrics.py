@@ -2,14 +2,15 @@
 
 Engine side, from `AsyncClient.health()`: requests running and waiting, KV blocks, preemptions,
 prompt and generation tokens. Gateway side, observed per request: time to first token, time per
-output token, end-to-end latency, finished requests by reason. Each app has its own registry.
+output token, end-to-end latency, finished requests by reason; and read at each scrape: its
+requests in flight and open connections. Each app has its own registry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
@@ -169,6 +170,15 @@ class Metrics:
                 self.tpot.observe((end - first) / (num_tokens - 1))
         self.e2e.observe(end - arrival)
         self._success.labels(self.model, reason).inc()
+
+    def watch(self, in_flight: Callable[[], float], connections: Callable[[], float]) -> None:
+        """Gauges read at each scrape: the gateway's requests in flight, its open connections."""
+        for name, doc, read in (
+            ("gateway_requests_in_flight", "Requests admitted, not ended.", in_flight),
+            ("gateway_connections", "Open HTTP and WebSocket connections.", connections),
+        ):
+            gauge = Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry)
+            gauge.labels(self.model).set_function(read)
 
     def error(self, status: int) -> None:
         self._http_errors.labels(self.model, str(status)).inc()

@@ -9,6 +9,7 @@ vLLM's `prompt_logprobs` appears only when asked for.
 from __future__ import annotations
 
 import re
+import sys
 import time
 from typing import Any
 
@@ -24,8 +25,12 @@ class APIError(Exception):
     TYPES = {
         400: "invalid_request_error",
         401: "invalid_request_error",
+        403: "invalid_request_error",
         404: "invalid_request_error",
+        408: "invalid_request_error",
         413: "invalid_request_error",
+        415: "invalid_request_error",
+        431: "invalid_request_error",
         429: "rate_limit_error",
         503: "server_error",
     }
@@ -68,11 +73,12 @@ _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _FIELD = re.compile(r"field `(?P<name>[^`]+)`")
 
 
-def decode_error(exc: msgspec.DecodeError) -> APIError:
-    """A 400 for a body msgspec refused, naming the field (`$.messages[0].role` -> that path)."""
+def decode_error(exc: msgspec.DecodeError, what: str = "request body") -> APIError:
+    """A 400 for a body msgspec refused, naming the field (`$.messages[0].role` -> that path),
+    or `what` was refused as a whole."""
     text = str(exc)
     if not isinstance(exc, msgspec.ValidationError):
-        return invalid(f"request body is not valid JSON: {text}", None)
+        return invalid(f"{what} is not valid JSON: {text}", None)
     match = _AT.search(text)
     path = match.group("path") if match else ""
     reason = text[: match.start()] if match else text
@@ -81,7 +87,22 @@ def decode_error(exc: msgspec.DecodeError) -> APIError:
         path = f"{path}.{named.group('name')}" if path else named.group("name")
         if "unknown field" in reason:
             return invalid(f"Unrecognized request argument supplied: {path}", path)
-    return invalid(f"{path or 'body'}: {reason}", path or None)
+    return invalid(f"{path or what}: {reason}", path or None)
+
+
+def decode_json(decoder: msgspec.json.Decoder, data: bytes | str, what: str = "request body"):
+    """`decoder.decode(data)`, every failure a 400: msgspec's own (see decode_error), and the
+    RecursionError it raises for nesting deeper than Python's recursion limit."""
+    try:
+        return decoder.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise decode_error(exc, what) from None
+    except RecursionError:
+        raise invalid(
+            f"{what} nests arrays or objects too deeply (the limit is about "
+            f"{sys.getrecursionlimit()} levels)",
+            None,
+        ) from None
 
 
 # -- requests ---------------------------------------------------------------------------------
@@ -118,6 +139,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
     priority: int = 0  # vLLM's: lower runs first
     prompt_logprobs: int | None = None
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only within one salt
 
     def check_common(self) -> None:
         """Refuse what we cannot honour yet, with a 400 naming the field. The sampling ranges
@@ -170,6 +192,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             logit_bias=self.token_bias(),
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            cache_salt=self.cache_salt,
             output_kind=OutputKind.DELTA if self.stream else OutputKind.FINAL_ONLY,
         )
 

@@ -38,12 +38,12 @@ from .openai_protocol import (
     CompletionChoiceWithPrompt,
     CompletionRequest,
     Usage,
-    decode_error,
+    decode_json,
     finish_reason,
     invalid,
     now,
 )
-from .service import Gateway
+from .service import Gateway, GatewaySettings
 
 T = TypeVar("T")
 _encoder = msgspec.json.Encoder()
@@ -65,30 +65,63 @@ def sse(chunk) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-async def read_body(request: Request, kind: type[T], max_bytes: int) -> T:
-    """The JSON body decoded as `kind`: 413 over max_bytes, 400 naming the field otherwise."""
+_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+def check_json_content_type(request: Request) -> None:
+    """415 unless the body says it is JSON. Browsers send a cross-origin POST of another type
+    (text/plain, forms) without asking the server first; one of application/json they do not."""
+    given = request.headers.get("content-type", "")
+    if given.split(";", 1)[0].strip().lower() != "application/json":
+        raise APIError(
+            415,
+            f"Content-Type must be application/json, got {given[:80]!r}",
+            None,
+            "unsupported_media_type",
+        )
+
+
+async def read_body(request: Request, kind: type[T], settings: GatewaySettings) -> T:
+    """The JSON body decoded as `kind`: 415 if not said to be JSON, 413 over max_body_bytes
+    (by Content-Length, and counted as it arrives, which is what bounds a chunked body), 408
+    when it does not arrive within read_timeout_s, 400 naming the field otherwise."""
+    check_json_content_type(request)
+    max_bytes = settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(
             413,
-            f"request body is {declared} bytes, over the limit of {max_bytes}",
+            f"request body is {declared} bytes, over the limit of {max_bytes} (max_body_bytes)",
             None,
             "request_too_large",
         )
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise APIError(
-                413,
-                f"request body is over the limit of {max_bytes} bytes",
-                None,
-                "request_too_large",
-            )
+
+    async def receive() -> bytearray:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                raise APIError(
+                    413,
+                    f"request body is over the limit of {max_bytes} bytes (max_body_bytes)",
+                    None,
+                    "request_too_large",
+                )
+        return body
+
     try:
-        return msgspec.json.decode(bytes(body), type=kind)
-    except msgspec.DecodeError as exc:  # ValidationError included
-        raise decode_error(exc) from None
+        body = await asyncio.wait_for(receive(), settings.read_timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within read_timeout_s={settings.read_timeout_s:g} s",
+            None,
+            "request_timeout",
+        ) from None
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    return decode_json(decoder, bytes(body))
 
 
 class ClientGone(Exception):
@@ -165,7 +198,7 @@ def closing_events(body, lasts: dict[int, Delta], chunk_type, rid: str, created:
 
 
 async def completions(request: Request, gateway: Gateway) -> Response:
-    body = await read_body(request, CompletionRequest, gateway.settings.max_body_bytes)
+    body = await read_body(request, CompletionRequest, gateway.settings)
     body.check()
     check_model(gateway, body.model)
     check_max_tokens(body.max_tokens, "max_tokens")
@@ -213,12 +246,12 @@ async def completions(request: Request, gateway: Gateway) -> Response:
 
 
 async def chat_completions(request: Request, gateway: Gateway) -> Response:
-    body = await read_body(request, ChatCompletionRequest, gateway.settings.max_body_bytes)
+    body = await read_body(request, ChatCompletionRequest, gateway.settings)
     body.check()
     check_model(gateway, body.model)
     field = body.max_tokens_field
     check_max_tokens(body.requested_max_tokens, field)
-    prompt = gateway.chat_prompt(body.messages, body.add_generation_prompt)
+    prompt = await gateway.chat_prompt(body.messages, body.add_generation_prompt)
     room = gateway.settings.max_model_len - len(prompt)
     requested = body.requested_max_tokens
     max_tokens = requested if requested is not None else max(room, 1)

@@ -5,71 +5,45 @@
     POST /v1/completions         OpenAI-compatible, stream true/false (see openai_routes.py)
     POST /v1/chat/completions    OpenAI-compatible, the checkpoint's chat template
     GET  /v1/models              the one served model
-    GET  /health                 pushes a real one-token request through all actors; 503 if not
+    GET  /health                 liveness: the Engine answers (no generation); see health.py
+    GET  /ready                  readiness: one token through every actor, at most once per
+                                 health_interval_s
     GET  /metrics                Prometheus text format
 
-Every error is OpenAI's JSON error shape. With an API key set, every route but /health and the
-playground page needs `Authorization: Bearer KEY` (401 otherwise).
+Every error is OpenAI's JSON error shape. Host, Origin (browsers, CORS) and the API key are
+checked in guards.py: with a key set, every route but the page, /health and /ready needs
+`Authorization: Bearer KEY` (401 otherwise). Connection limits and timeouts: connections.py.
 
-`create_app` builds the app; the CLI runs it with uvicorn on the Supervisor's event loop.
+`create_app` builds the app; HTTPGateway runs it under uvicorn, in the gateway's own
+supervised process (gateway_process.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import socket
 from pathlib import Path
 
-import msgspec
 import uvicorn
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .client import AsyncClient, EngineError
+from .connections import GatewayConfig
+from .guards import add_guards, has_api_key
+from .health import HealthChecks
 from .metrics import CONTENT_TYPE
 from .openai_protocol import APIError, ModelCard, ModelList, now
-from .openai_routes import (
-    ClientGone,
-    chat_completions,
-    completions,
-    error_response,
-    json_response,
-)
+from .openai_routes import ClientGone, chat_completions, completions, error_response, json_response
 from .service import Gateway, GatewaySettings
 from .websocket import stream_endpoint
 
 log = logging.getLogger("gateway")
 PLAYGROUND = Path(__file__).with_name("static") / "playground.html"
-OPEN_PATHS = ("/", "/health")  # no API key needed: the static page and the load balancer's probe
-
-
-class APIKeyMiddleware:
-    """Checks `Authorization: Bearer KEY` on HTTP routes (WebSocket: checked in its handler)."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(
-                    401,
-                    "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                    None,
-                    "invalid_api_key",
-                    {"WWW-Authenticate": "Bearer"},
-                )
-                await error_response(error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def create_app(client: AsyncClient, settings: GatewaySettings, chat) -> FastAPI:
@@ -77,8 +51,8 @@ def create_app(client: AsyncClient, settings: GatewaySettings, chat) -> FastAPI:
     gateway = Gateway(client, settings, chat)
     app = FastAPI(title="actorserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    checks = HealthChecks(client, settings)
+    add_guards(app, settings)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
@@ -120,30 +94,14 @@ def create_app(client: AsyncClient, settings: GatewaySettings, chat) -> FastAPI:
         return json_response(ModelList([card]))
 
     @app.get("/health")
-    async def health() -> Response:
-        if gateway.draining:
-            return json_response(
-                {"status": "draining", "error": "the server is shutting down"}, 503
-            )
-        try:
-            elapsed, reply = await gateway.probe()
-        except EngineError as exc:
-            roster = []
-            try:
-                roster = msgspec.to_builtins((await client.health(1.0)).actors)
-            except EngineError:
-                pass
-            return json_response(
-                {"status": "unavailable", "error": str(exc), "actors": roster}, 503
-            )
-        status = "ok" if reply.ok else "degraded"
-        body = {
-            "status": status,
-            "probe_s": round(elapsed, 4),
-            "actors": msgspec.to_builtins(reply.actors),
-            "engine": msgspec.to_builtins(reply.stats),
-        }
-        return json_response(body, 200 if reply.ok else 503)
+    async def health(request: Request) -> Response:
+        authorized = has_api_key(request.headers, settings.api_key)
+        return await checks.respond(checks.liveness, gateway.draining, authorized)
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        authorized = has_api_key(request.headers, settings.api_key)
+        return await checks.respond(checks.readiness, gateway.draining, authorized)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -199,20 +157,29 @@ def bind(host: str, port: int) -> socket.socket:
 class HTTPGateway:
     """The app under uvicorn on the running event loop, talking to the Engine at `address`."""
 
-    def __init__(self, engine_address: str, settings: GatewaySettings, host: str, port: int):
+    def __init__(
+        self,
+        engine_address: str,
+        settings: GatewaySettings,
+        host: str,
+        port: int,
+        client_options: dict | None = None,
+    ):
+        """`client_options`: the SDK's keyword arguments (CurveZMQ keys of a secured engine)."""
         self.engine_address = engine_address
+        self.client_options = client_options or {}
         self.settings = settings
         self.host = host
         self.port = port
         self.task: asyncio.Task | None = None
         self._chat: asyncio.Future | None = None
 
-    def prepare(self) -> None:
-        """Bind the port (OSError if taken) and start loading the tokenizer in a thread, so
-        both happen while the actors start."""
+    def prepare(self, sock: socket.socket | None = None) -> None:
+        """Bind the port (OSError if taken), or take `sock`, a listening socket bound already,
+        and start loading the tokenizer in a thread."""
         from .chat_template import ChatTemplate
 
-        self.sock = bind(self.host, self.port)
+        self.sock = sock if sock is not None else bind(self.host, self.port)
         self.port = self.sock.getsockname()[1]
         self._chat = asyncio.ensure_future(asyncio.to_thread(ChatTemplate, self.settings.model_dir))
 
@@ -226,10 +193,11 @@ class HTTPGateway:
         except BaseException:
             sock.close()
             raise
-        self.client = AsyncClient(self.engine_address)
+        self.client = AsyncClient(self.engine_address, **self.client_options)
         self.app = create_app(self.client, self.settings, chat)
-        config = uvicorn.Config(
+        config = GatewayConfig(
             self.app,
+            self.settings,
             lifespan="off",
             log_config=None,
             access_log=False,
@@ -237,6 +205,7 @@ class HTTPGateway:
             ws_per_message_deflate=False,
         )
         self.server = _Server(config)
+        self.app.state.gateway.connections = self.server.server_state.connections
         self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
         while not self.server.started and not self.task.done():
             await asyncio.sleep(0.02)

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from ..messages.client import Delta, HealthReply
-from ..messages.common import OutputKind, SamplingParams
+from ..messages.client import Delta
+from ..messages.common import OutputKind, SamplingParams, max_prompt_chars
 from .client import AsyncClient, EngineError
 from .metrics import Metrics
 from .openai_logprobs import TokenNames
@@ -27,25 +27,54 @@ ENGINE_STATUS = {"invalid_request": 400, "overloaded": 429, "unavailable": 503}
 RETRY_AFTER = {"Retry-After": "1"}
 
 
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value else default
-
-
 class GatewaySettings(msgspec.Struct, kw_only=True):
+    """The gateway's settings; each one (but the first four, from the engine) is a flag of
+    `actorserve serve` (cli.py). Sizes in bytes, times in seconds."""
+
     model_id: str  # the name clients pass as `model`
     model_dir: str
     max_model_len: int
     vocab_size: int
     api_key: str | None = None
     max_concurrent_requests: int = 1024
-    max_body_bytes: int = 8 * 1024 * 1024
-    health_timeout_s: float = msgspec.field(
-        default_factory=lambda: _env_float("ACTORSERVE_HEALTH_TIMEOUT_S", 10.0)
-    )
+    max_body_bytes: int = 8 * 1024 * 1024  # an HTTP body, and a WebSocket message
+    # connections (uvicorn): at most this many open at once, HTTP and WebSocket together
+    max_connections: int = 2048
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    read_timeout_s: float = 30.0  # a request's head, then its body, must arrive within this
+    max_header_bytes: int = 16 * 1024  # the request line and headers (h11's incomplete event)
+    # a connection whose client takes none of our output for this long is dropped
+    send_timeout_s: float = 30.0
+    max_requests_per_socket: int = 64  # live requests on one WebSocket
+    # /health and /ready
+    health_timeout_s: float = 10.0  # how long either waits for the engine
+    health_interval_s: float = 5.0  # each asks the engine at most once per interval
+    # browsers: Origin values allowed besides the page's own (["*"]: any); Host values
+    # accepted (empty: any)
+    allowed_origins: list[str] = []
+    allowed_hosts: list[str] = []
 
     def accepts_model(self, name: str | None) -> bool:
         return name is None or name in (self.model_id, os.path.basename(self.model_id.rstrip("/")))
+
+
+INT64 = range(-(2**63), 2**63)
+
+
+def check_int64(
+    prompt: str | list[int], params: SamplingParams, prompt_param: str, priority: int
+) -> None:
+    """A 400 naming the field whose integer does not fit the wire's 64 bits. JSON integers
+    have no size, and the ranges SamplingParams.validate checks leave some open above (top_k,
+    priority): unchecked, such a number failed to encode in the SDK, a 500."""
+    fields = [(prompt_param, prompt if isinstance(prompt, list) else []), ("priority", [priority])]
+    for name in SamplingParams.__struct_fields__:
+        value = getattr(params, name)
+        fields.append((name, value if isinstance(value, (list, dict)) else [value]))
+    for name, values in fields:
+        for v in values:  # a dict's keys: logit_bias token ids
+            if isinstance(v, int) and v not in INT64:
+                raise invalid(f"{name} must fit in 64 bits (-2**63 <= n < 2**63)", name)
 
 
 def engine_error(exc: EngineError, prompt_param: str = "prompt") -> APIError:
@@ -70,6 +99,10 @@ class Gateway:
         self.metrics = Metrics(settings.model_id)
         self.active = 0
         self.draining = False
+        # the server's open connections (uvicorn's set, HTTPGateway fills it in): WebSocket
+        # handshakes are counted against max_connections here, uvicorn counts HTTP requests
+        self.connections: set = set()
+        self.metrics.watch(lambda: self.active, lambda: len(self.connections))
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -111,12 +144,26 @@ class Gateway:
 
     # -- generation --------------------------------------------------------------------------
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True):
+    async def chat_prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]:
         """The prompt token ids of a chat through the checkpoint's template; a 400 naming
-        `messages` when the template refuses them."""
+        `messages` when the template refuses them. Rendering and tokenizing run in a thread:
+        a prompt of megabytes takes the CPU for a while (`tokenizers` lets go of the GIL, the
+        template's Jinja mostly does not, but it is linear), and the event loop must go on
+        serving every other connection meanwhile."""
         chat = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+        limit = max_prompt_chars(self.chat.longest_token_chars, self.settings.max_model_len)
+        chars = sum(len(m["content"]) for m in chat)
+        if chars > limit:
+            raise invalid(
+                f"messages hold {chars} characters, more than max_model_len="
+                f"{self.settings.max_model_len} tokens can hold with this tokenizer (at most "
+                f"{limit} characters)",
+                "messages",
+            )
         try:
-            return self.chat.prompt_ids(chat, add_generation_prompt)
+            return await asyncio.to_thread(self.chat.prompt_ids, chat, add_generation_prompt)
         except ValueError as exc:
             raise invalid(str(exc), "messages") from None
 
@@ -130,6 +177,7 @@ class Gateway:
     ) -> AsyncIterator[Delta]:
         """Deltas of one request (of its n samples, by `Delta.index`); raises APIError.
         Leaving before all n samples finished aborts it in the Engine (the SDK does)."""
+        check_int64(prompt, params, prompt_param, priority)
         error = params.validate(self.settings.vocab_size)
         if error:
             raise engine_error(EngineError(error, "invalid_request"), prompt_param)
@@ -155,27 +203,3 @@ class Gateway:
         finally:
             self._release()
             await stream.aclose()  # the SDK aborts a request left before it finished
-
-    async def probe(self) -> tuple[float, HealthReply]:
-        """Push one greedy token through every actor; (seconds it took, health reply)."""
-        started = time.perf_counter()
-        timeout = self.settings.health_timeout_s
-        rid = f"health-{os.urandom(6).hex()}"
-        stream = self.client.generate(
-            "health", SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), rid
-        )
-
-        async def one_token() -> None:
-            async for _ in stream:  # the SDK's stream ends once the request has finished
-                pass
-
-        try:
-            await asyncio.wait_for(one_token(), timeout)
-        except asyncio.TimeoutError:
-            raise EngineError(
-                f"no token from the engine within {timeout:g} s", "unavailable"
-            ) from None
-        finally:
-            await stream.aclose()  # aborts it in the Engine if it did not finish
-        elapsed = time.perf_counter() - started
-        return elapsed, await self.client.health(timeout)

@@ -16,11 +16,18 @@ params.logprobs is 0); with params.prompt_logprobs the first delta carries "prom
 (null for the first prompt token, then such entries).
 Closing the socket aborts every request still running on it. With an API key, the socket needs
 `Authorization: Bearer KEY` or (from a browser) the subprotocols ["actorserve", "bearer.KEY"].
+
+Limits: a message over max_body_bytes closes the socket (1009, uvicorn's ws_max_size); a
+generate beyond max_requests_per_socket live ones on this socket gets an error frame (429) and
+the socket goes on; a handshake while max_connections are open is refused (503). A client that
+stops reading: deltas merge in the SDK while a send waits, and a connection that takes nothing
+for send_timeout_s is dropped (connections.py), which ends every request on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import uuid
@@ -29,9 +36,11 @@ from typing import Any
 import msgspec
 from fastapi import WebSocket, WebSocketDisconnect
 
+from ..messages.client import Delta
 from ..messages.common import SamplingParams
-from .openai_protocol import APIError, ChatMessage, decode_error, invalid
-from .service import Gateway
+from .guards import refuse
+from .openai_protocol import APIError, ChatMessage, decode_json, invalid
+from .service import RETRY_AFTER, Gateway
 
 log = logging.getLogger("gateway")
 SUBPROTOCOL = "actorserve"
@@ -110,10 +119,9 @@ class StreamSocket:
 
     async def on_message(self, data: str | bytes) -> None:
         try:
-            message = _decoder.decode(data)
-        except msgspec.DecodeError as exc:
-            rid = _peek_id(data)
-            await self.send_error(rid, decode_error(exc))
+            message = decode_json(_decoder, data, "message")
+        except APIError as exc:
+            await self.send_error(_peek_id(data), exc)
             return
         if isinstance(message, Abort):
             if message.id in self.live:
@@ -125,17 +133,28 @@ class StreamSocket:
                 )
             return
         try:
-            prompt, param = self.prompt(message)
+            param = self.check(message)
         except APIError as exc:
             await self.send_error(message.id, exc)
             return
-        self.live[message.id] = asyncio.create_task(self.run(message, prompt, param))
+        self.live[message.id] = asyncio.create_task(self.run(message, param))
 
-    def prompt(self, message: Generate) -> tuple[str | list[int], str]:
+    def check(self, message: Generate) -> str:
+        """Refuse what this socket cannot take; the name of the prompt's field."""
         if not message.id or len(message.id) > MAX_ID_CHARS:
             raise invalid(f"id must be 1 to {MAX_ID_CHARS} characters", "id")
         if message.id in self.live:
             raise invalid(f"id {message.id!r} is already running on this socket", "id")
+        limit = self.gateway.settings.max_requests_per_socket
+        if len(self.live) >= limit:
+            raise APIError(
+                429,
+                f"this socket has {len(self.live)} live requests, the most one socket may have "
+                f"(max_requests_per_socket={limit}); wait for one to finish or open another",
+                None,
+                "rate_limit_exceeded",
+                RETRY_AFTER,
+            )
         given = [
             name
             for name in ("prompt", "prompt_token_ids", "messages")
@@ -146,47 +165,23 @@ class StreamSocket:
                 "give exactly one of prompt, prompt_token_ids and messages",
                 given[1] if len(given) > 1 else "prompt",
             )
-        if message.messages is not None:
-            return self.gateway.chat_prompt(message.messages), "messages"
-        prompt = message.prompt if message.prompt is not None else message.prompt_token_ids
-        return prompt, given[0]
+        return given[0]
 
-    async def run(self, message: Generate, prompt: str | list[int], param: str) -> None:
+    async def prompt(self, message: Generate) -> str | list[int]:
+        if message.messages is not None:  # rendered in a thread, in this request's own task
+            return await self.gateway.chat_prompt(message.messages)
+        return message.prompt if message.prompt is not None else message.prompt_token_ids
+
+    async def run(self, message: Generate, param: str) -> None:
         rid = message.id
-        several = message.params.n > 1
         try:
-            async for delta in self.gateway.generate(
-                prompt, message.params, self.prefix + rid, param
-            ):
-                sample = {"index": delta.index} if several else {}
-                if delta.text or delta.token_ids or delta.prompt_logprobs is not None:
-                    frame = {
-                        "type": "delta",
-                        "id": rid,
-                        **sample,
-                        "text": delta.text,
-                        "token_ids": delta.token_ids,
-                    }
-                    if delta.logprobs is not None:
-                        frame["logprobs"] = delta.logprobs
-                    if delta.prompt_logprobs is not None:
-                        frame["prompt_logprobs"] = delta.prompt_logprobs
-                    await self.send(frame)
-                if delta.finished:
-                    p, c = delta.prompt_tokens, delta.completion_tokens
-                    await self.send(
-                        {
-                            "type": "done",
-                            "id": rid,
-                            **sample,
-                            "finish_reason": delta.finish_reason.value,
-                            "usage": {
-                                "prompt_tokens": p,
-                                "completion_tokens": c,
-                                "total_tokens": p + c,
-                            },
-                        }
-                    )
+            prompt = await self.prompt(message)
+            # closed here, not when garbage collected: leaving early aborts the request now
+            deltas = self.gateway.generate(prompt, message.params, self.prefix + rid, param)
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    for frame in frames_of(rid, delta, message.params.n > 1):
+                        await self.send(frame)
         except APIError as exc:
             await self.send_error(rid, exc)
         except (WebSocketDisconnect, RuntimeError, OSError):
@@ -195,17 +190,56 @@ class StreamSocket:
             self.live.pop(rid, None)
 
 
+def frames_of(rid: str, delta: Delta, several: bool) -> list[dict[str, Any]]:
+    """What one delta sends: a delta frame if it carries anything, then a done frame if its
+    sample finished (both with the sample's index when the request has several)."""
+    sample = {"index": delta.index} if several else {}
+    frames: list[dict[str, Any]] = []
+    if delta.text or delta.token_ids or delta.prompt_logprobs is not None:
+        frame = {"type": "delta", "id": rid, **sample, "text": delta.text}
+        frame["token_ids"] = delta.token_ids
+        if delta.logprobs is not None:
+            frame["logprobs"] = delta.logprobs
+        if delta.prompt_logprobs is not None:
+            frame["prompt_logprobs"] = delta.prompt_logprobs
+        frames.append(frame)
+    if delta.finished:
+        p, c = delta.prompt_tokens, delta.completion_tokens
+        usage = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        frame = {"type": "done", "id": rid, **sample, "finish_reason": delta.finish_reason.value}
+        frame["usage"] = usage
+        frames.append(frame)
+    return frames
+
+
 def _peek_id(data: str | bytes) -> str | None:
+    """The `id` of a message that did not decode, to name it in the error (if it is a fit id:
+    the error frame should not echo a megabyte back)."""
     try:
         raw = msgspec.json.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
-    return raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str) else None
+    rid = raw.get("id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_CHARS else None
 
 
 async def stream_endpoint(websocket: WebSocket, gateway: Gateway) -> None:
     if not authorized(websocket, gateway.settings.api_key):
         await websocket.close(code=1008, reason="missing or wrong API key")
+        return
+    # uvicorn applies its connection limit to HTTP requests only: sockets are counted here,
+    # this one included (it is in the set from its first byte)
+    limit = gateway.settings.max_connections
+    if len(gateway.connections) > limit:
+        error = APIError(
+            503,
+            f"the server has {len(gateway.connections) - 1} open connections, its limit "
+            f"(max_connections={limit}); retry shortly",
+            None,
+            "unavailable",
+            RETRY_AFTER,
+        )
+        await refuse(websocket.scope, websocket.receive, websocket.send, error)
         return
     offered = websocket.scope.get("subprotocols", [])
     await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)

@@ -1,4 +1,5 @@
-"""Helpers for the gateway tests: `actorserve serve` with its HTTP port, plain HTTP calls.
+"""Helpers for the gateway tests: `actorserve serve` with its HTTP port, plain HTTP calls, and
+raw sockets for clients that misbehave on purpose (a small receive window, hand-made frames).
 
 One gateway (API key, small limits) is shared by every gateway test module of a session: starting
 the five processes costs most of these tests' time. The shutdown test starts its own.
@@ -6,9 +7,12 @@ the five processes costs most of these tests' time. The shutdown test starts its
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
+import os
 import re
+import socket
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -27,9 +31,17 @@ SHARED_FLAGS = (
     "512",
     "--heartbeat-interval-s",
     "5",
+    "--health-timeout-s",
+    "3",
+    "--health-interval-s",
+    "1",
+    "--max-requests-per-socket",
+    "3",
 )
-SHARED_ENV = {"ACTORSERVE_HEALTH_TIMEOUT_S": "3"}
+HEALTH_INTERVAL_S = 1.0  # /health and /ready of the shared gateway repeat an answer this long
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# the supervised processes of `actorserve serve`, as the roster names them
+ACTORS_AND_GATEWAY = {"engine", "scheduler", "block_manager", "worker", "gateway"}
 
 
 class GatewayServer(EngineServer):
@@ -58,7 +70,7 @@ def shared_gateway(pytestconfig, model: Path) -> GatewayServer:
     """The session's shared gateway, started on first use and stopped when pytest ends."""
     key = (str(model), SHARED_FLAGS)
     if key not in _shared:
-        server = _shared[key] = GatewayServer(model, *SHARED_FLAGS, env=SHARED_ENV)
+        server = _shared[key] = GatewayServer(model, *SHARED_FLAGS)
         pytestconfig.add_cleanup(server.stop)
     return _shared[key]
 
@@ -122,3 +134,78 @@ def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval_s)
+
+
+# -- raw sockets: clients that misbehave on purpose ---------------------------------------
+
+
+def gauge(server, name: str) -> float:
+    """One of the gateway's own gauges, from /metrics."""
+    text = call(server, "GET", "/metrics", headers=AUTH).body.decode()
+    line = next(x for x in text.splitlines() if x.startswith(f"actorserve_{name}{{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def raw_socket(server, rcvbuf: int | None = None) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf:  # before connect, so the window it advertises is small from the start
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(30)
+    sock.connect((server.host, server.port))
+    return sock
+
+
+def read_to_end(sock: socket.socket, timeout_s: float = 10.0) -> bytes:
+    """All the server sends until it closes the connection."""
+    sock.settimeout(timeout_s)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def ended(sock: socket.socket, timeout_s: float = 30.0) -> bool:
+    """Whether the server closes (or resets) the connection within timeout_s; what it sent
+    before is read and dropped."""
+    sock.settimeout(timeout_s)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def websocket_frame(payload: bytes) -> bytes:
+    """One masked text frame, as a client sends it (RFC 6455 5.2)."""
+    mask = os.urandom(4)
+    n = len(payload)
+    if n < 126:
+        head = bytes([0x81, 0x80 | n])
+    else:
+        head = bytes([0x81, 0x80 | 126]) + n.to_bytes(2, "big")
+    return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def open_raw_websocket(server, rcvbuf: int) -> socket.socket:
+    sock = raw_socket(server, rcvbuf)
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(
+        f"GET /v1/stream HTTP/1.1\r\nHost: {server.host}:{server.port}\r\nUpgrade: websocket\r\n"
+        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+        "Sec-WebSocket-Version: 13\r\n\r\n".encode()
+    )
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return sock
+
+
+def send_quietly(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass  # the server stopped reading, or dropped us: either is the point

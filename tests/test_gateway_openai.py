@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import openai
 import pytest
 from gateway_support import (
+    ACTORS_AND_GATEWAY,
     API_KEY,
     AUTH,
+    HEALTH_INTERVAL_S,
     call,
     open_stream,
     read_events,
@@ -181,15 +184,21 @@ def test_models_names_the_served_model(gateway, client):
     assert models[0].object == "model"
 
 
-def test_health_pushes_a_real_token_through_every_actor(gateway):
+def test_ready_pushes_a_real_token_through_every_actor_and_health_none(gateway):
+    time.sleep(HEALTH_INTERVAL_S)  # past any answer an earlier test left to be repeated
     before = gateway.client.health().stats.generation_tokens
-    reply = call(gateway, "GET", "/health")  # no API key needed
+    reply = call(gateway, "GET", "/ready", headers=AUTH)  # open; the key adds the roster
     assert reply.status == 200
     body = reply.json()
-    assert body["status"] == "ok" and body["probe_s"] > 0
-    assert {a["name"] for a in body["actors"]} == {"engine", "scheduler", "block_manager", "worker"}
+    assert body["status"] == "ok" and body["probe_s"] > 0 and body["age_s"] < 0.5
+    assert {a["name"] for a in body["actors"]} == ACTORS_AND_GATEWAY
     assert all(a["state"] == "ready" for a in body["actors"])
     assert gateway.client.health().stats.generation_tokens == before + 1
+
+    live = call(gateway, "GET", "/health", headers=AUTH)
+    assert live.status == 200 and live.json()["status"] == "ok"
+    assert {a["name"] for a in live.json()["actors"]} == {a["name"] for a in body["actors"]}
+    assert gateway.client.health().stats.generation_tokens == before + 1  # liveness: no token
 
 
 def test_metrics_expose_engine_counters_and_latency_histograms(gateway, client):
