@@ -55,6 +55,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_live_requests: int = 1024  # over this, new requests get an `overloaded` error
+    # Limits on what one client message may ask (errors name the field and the limit):
+    max_client_message_bytes: int = 16 << 20  # ZMQ_MAXMSGSIZE of the client socket
+    max_request_output_tokens: int = 1 << 18  # n x the tokens each sample may generate
+    max_logprob_entries: int = 1 << 20  # logprobs (+ prompt_logprobs) entries of one request
+    priority_min: int = 0  # priorities clients may ask (lower runs first): none can jump
+    priority_max: int = 1 << 20  # ahead of the default 0 unless priority_min is lowered
+    client_queue_messages: int = 10_000  # replies queued for one client before they wait
+    client_lease_s: float = 30.0  # a client silent this long has its requests aborted
+    poison_crashes: int = 2  # a request in flight at this many crashes of an actor is failed
+    fault_crash_on_token_id: int | None = None  # tests only: the Worker dies on a plan with it
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"  # or "swap": KV to a CPU block pool and back
     preemption_victim: str = "fewest_computed"  # or "last_admitted"
@@ -73,6 +83,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_restarts: int = 5  # per actor within restart_window_s; past it the tree stops
     restart_window_s: float = 60.0
     drain_timeout_s: float = 30.0
+    # CurveZMQ on the client socket (actors/curve.py has the rules; `actorserve keys` the files)
+    curve_server_key: str | None = None  # the server's secret certificate (0600)
+    curve_authorized_clients: str | None = None  # dir of client *.key certs; None: any client
+    insecure_loopback: bool = False  # allow tcp:// on a loopback host without CURVE
+    curve_gateway_key: str | None = None  # resolved, not a flag: see curve.with_own_client
     addresses: Addresses | None = None
     facts: ModelFacts | None = None
 
@@ -85,6 +100,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, ">= 1"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, ">= 2"),
             ("heartbeat_interval_s", self.heartbeat_interval_s > 0, "> 0"),
+            ("max_client_message_bytes", self.max_client_message_bytes >= 1024, ">= 1024"),
+            ("max_request_output_tokens", self.max_request_output_tokens >= 1, ">= 1"),
+            ("max_logprob_entries", self.max_logprob_entries >= 1, ">= 1"),
+            ("priority_max", self.priority_max >= self.priority_min, ">= priority_min"),
+            ("poison_crashes", self.poison_crashes >= 1, ">= 1"),
+            ("client_lease_s", self.client_lease_s > 0, "> 0"),
+            ("client_queue_messages", self.client_queue_messages >= 1, ">= 1"),
             ("final_only_flush_s", self.final_only_flush_s >= 0, ">= 0"),
             (
                 "preemption_mode",

@@ -2,12 +2,26 @@
 
 Inbox: TokensOut, Recover (Scheduler); StatsReply (BlockManager); Roster, Drain (supervisor); Stop.
 Client socket (ROUTER): GenerateRequest, AbortRequest, HealthRequest, Ping in; Delta, ErrorReply,
-HealthReply, Pong out, each to the client identity that asked.
+HealthReply, Pong out, each to the client identity that asked (client_outbox.py).
 Outbox: AddRequest, AbortRequests, StatsQuery -> Scheduler.
 Owns: the tokenizer; the journal of live requests (prompt ids, params, tokens sent so far).
-Dies when: Stop, or its supervisor goes away (then by SIGTERM). A client's bad bytes never kill it.
-On Recover (another actor restarted) it re-submits every live request with the tokens already
-streamed, so generation resumes where it was: nothing lost, nothing sent twice.
+Dies when: Stop, or its supervisor goes away (then by SIGTERM). A client's bytes never kill it:
+any bytes get an ErrorReply (frames no DEALER sends get nothing), frames over
+max_client_message_bytes are dropped by ZeroMQ, the read loop yields to the event loop every
+YIELD_EVERY messages (a flood cannot starve the heartbeat), and prompts long enough to take a
+noticeable time are tokenized on a thread (`tokenizers` releases the GIL).
+
+Recovery: on Recover (another actor restarted) it re-submits every live request with the tokens
+already streamed, so generation resumes where it was; TokensOut of another epoch than the last
+Recover's are dropped, so nothing is sent twice. A request that keeps killing one actor is failed
+instead of replayed (quarantine.py). The Engine's own death is covered by its clients: the SDK
+re-submits what it was receiving as a resumption (GenerateRequest.resume).
+
+Ownership: a request belongs to the client identity (ROUTER routing id) that sent it. Its id in
+the engine is `key(identity, request_id)`: ids of different clients never collide, and
+AbortRequest and Ping act on the sender's own requests only. A client that goes away (a send to
+it fails) or sends nothing for client_lease_s (the SDK pings every second while it streams) has
+its requests aborted: nothing runs on for nobody.
 
 Parallel samples: a GenerateRequest with n > 1 fans out into n child requests `{id}#{i}` (seeds
 seed + i when seeded, so the samples differ and are reproducible); each is journaled and resumed
@@ -22,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -31,7 +46,6 @@ from ..messages.client import (
     AbortRequest,
     ClientToEngine,
     Delta,
-    DeltaBatch,
     EngineStats,
     ErrorReply,
     GenerateRequest,
@@ -40,29 +54,47 @@ from ..messages.client import (
     Ping,
     Pong,
 )
-from ..messages.codec import DecodeError, Decoder, EngineInbox, encode, peek_request_id
-from ..messages.common import FinishReason, SamplingParams
+from ..messages.codec import DecodeError, Decoder, EngineInbox, peek_request_id
+from ..messages.common import FinishReason, SamplingParams, max_prompt_chars
 from ..messages.control import ActorStatus, Drain, Drained, Recover, Roster
 from ..messages.step import AbortRequests, AddRequest, StatsQuery, StatsReply, TokensOut
+from .admission import (
+    InvalidRequest,
+    check_output_size,
+    check_prompt_ids,
+    check_prompt_length,
+    check_prompt_text,
+    check_request,
+    check_resume,
+)
+from .client_outbox import ClientOutbox
+from .curve import secure_router
 from .detokenizer import Detokenizer, incremental_detokenizer
-from .runtime import Actor, LoopSocket, actor_main
+from .quarantine import Quarantine
+from .runtime import YIELD_EVERY, Actor, ErrorThrottle, LoopSocket, actor_main
 from .stop_strings import StopStrings
 
 STATS_TIMEOUT_S = 2.0
+INLINE_TOKENIZE_CHARS = 4096  # longer prompts are tokenized on a thread, off the event loop
+
+
+def key(identity: bytes, request_id: str) -> str:
+    """A client's request id as the engine knows it: unique across clients."""
+    return f"{identity.hex()}/{request_id}"
 
 
 @dataclass
 class LiveRequest:
-    """A journal entry: enough to re-submit the request with nothing lost. `request.request_id`
-    is the client's id, or for sample `index` of an n > 1 request that of a child."""
+    """A journal entry: enough to re-submit the request with nothing lost."""
 
     identity: bytes
-    request: AddRequest
+    request: AddRequest  # request_id: key(identity, client_id), + "#i" for sample i of n > 1
     detokenizer: Detokenizer
     stop_strings: StopStrings | None = None
     output_token_ids: list[int] = field(default_factory=list)
     client_id: str = ""  # the id the client knows (deltas carry it)
     index: int = 0  # which of the client's n samples
+    group_id: str | None = None  # the engine id of its n > 1 request (a key of Engine.groups)
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -73,10 +105,6 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     return msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
-class InvalidRequest(Exception):
-    """A client error; the message names the field and its limit."""
-
-
 class Engine(Actor):
     name = "engine"
     inbox = EngineInbox
@@ -84,12 +112,17 @@ class Engine(Actor):
     def __init__(self, config):
         super().__init__(config)
         self.facts = config.facts
-        self.live: dict[str, LiveRequest] = {}  # by request id (a child's for n > 1)
-        self.groups: dict[str, list[str]] = {}  # client id of an n > 1 request -> live children
+        self.live: dict[str, LiveRequest] = {}  # by engine id (a child's for n > 1)
+        self.groups: dict[str, list[str]] = {}  # engine id of an n > 1 request -> live children
+        self.tokenizing: dict[str, GenerateRequest] = {}  # by engine id: prompt on a thread
+        self.heard: dict[bytes, float] = {}  # client identity -> when it last sent anything
         self.health_waiters: dict[str, tuple[bytes, str]] = {}
         self.roster: list[ActorStatus] = []
         self.client_decoder = Decoder(ClientToEngine)
+        self.quarantine = Quarantine(config.poison_crashes)
+        self.epoch = config.epoch  # of the last Recover: TokensOut of another epoch are stale
         self._query_seq = 0
+        self._client_errors = ErrorThrottle()
         self.draining = False
 
     async def setup(self) -> None:
@@ -99,13 +132,25 @@ class Engine(Actor):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = max_prompt_chars(longest, self.config.max_model_len)
         router = self.ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.zap = secure_router(router, self.config)  # CurveZMQ when keys are configured
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # full or gone: told, not silently dropped
+        router.setsockopt(zmq.SNDHWM, self.config.client_queue_messages)  # then: client_outbox
+        router.setsockopt(zmq.MAXMSGSIZE, self.config.max_client_message_bytes)
         address = self.addresses.client
-        if address.startswith("ipc://"):
-            os.makedirs(os.path.dirname(address[len("ipc://") :]) or ".", exist_ok=True)
-        router.bind(address)
+        try:
+            if address.startswith("ipc://"):
+                os.makedirs(os.path.dirname(address[len("ipc://") :]) or ".", exist_ok=True)
+            router.bind(address)
+        except (OSError, zmq.ZMQError):  # e.g. the port is taken: exit, not hang in ctx.term()
+            if self.zap is not None:
+                self.zap.stop()
+            router.close(linger=0)
+            raise
         self.router = LoopSocket(router)
+        self.outbox = ClientOutbox(self.router, self._client_gone)
 
     async def teardown(self) -> None:
         for live in self.live.values():
@@ -113,24 +158,35 @@ class Engine(Actor):
                 live.identity, ErrorReply("the engine stopped", "unavailable", live.client_id)
             )
         self.router.close(linger=100)
+        if self.zap is not None:
+            self.zap.stop()  # before the context terminates: its sockets would block that
 
     async def background(self) -> None:
-        while True:
-            frames = await self.router.receive_multipart()
-            if len(frames) != 2:
-                continue  # not a DEALER/REQ peer speaking our protocol: nothing to answer
-            identity, data = frames
-            try:
-                self.on_client_message(identity, data)
-            except Exception as exc:  # never let one client's message kill the engine
-                self.log.exception("client message failed")
-                self.reply(
-                    identity,
-                    ErrorReply(f"internal error: {exc}", "internal", peek_request_id(data)),
-                )
+        """The client socket's read loop (no bytes end it), and the client lease sweep."""
+        sweep = asyncio.get_running_loop().create_task(self._sweep_clients())
+        try:
+            count = 0
+            while True:
+                frames = await self.router.receive_multipart()
+                count += 1
+                if count % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # a flood: let the heartbeat and the mailbox run
+                if len(frames) != 2:
+                    continue  # not a DEALER/REQ peer speaking our protocol: nothing to answer
+                identity, data = frames
+                self.heard[identity] = time.monotonic()
+                try:
+                    self.on_client_message(identity, data)
+                except Exception as exc:  # never let one client's message kill the engine
+                    if self._client_errors.take() is not None:
+                        self.log.exception("a client message failed")
+                    rid = peek_request_id(data)
+                    self.reply(identity, ErrorReply(f"internal error: {exc}", "internal", rid))
+        finally:
+            sweep.cancel()
 
     def reply(self, identity: bytes, message) -> None:
-        self.router.send_multipart([identity, encode(message)])
+        self.outbox.send(identity, message)
 
     # -- client requests ---------------------------------------------------------------------
 
@@ -144,19 +200,12 @@ class Engine(Actor):
             )
             return
         if isinstance(message, GenerateRequest):
-            try:
-                self.admit(identity, message)
-            except InvalidRequest as exc:
-                self.reply(identity, ErrorReply(str(exc), "invalid_request", message.request_id))
+            self.on_generate(identity, message)
         elif isinstance(message, AbortRequest):
-            self.abort(message.request_id)
+            self.abort(key(identity, message.request_id))
         elif isinstance(message, Ping):
-            unknown = [
-                rid
-                for rid in message.request_ids
-                if rid not in self.live and rid not in self.groups
-            ]
-            self.reply(identity, Pong(unknown, self.draining))
+            unknown = [rid for rid in message.request_ids if not self._known(identity, rid)]
+            self.reply(identity, Pong(unknown, self.draining, message.seq))
         elif isinstance(message, HealthRequest):
             self._query_seq += 1
             query_id = str(self._query_seq)
@@ -166,102 +215,175 @@ class Engine(Actor):
                 STATS_TIMEOUT_S, self._answer_health, query_id, None
             )
 
-    def admit(self, identity: bytes, message: GenerateRequest) -> None:
+    def _known(self, identity: bytes, request_id: str) -> bool:
+        eid = key(identity, request_id)
+        return eid in self.live or eid in self.groups or eid in self.tokenizing
+
+    def on_generate(self, identity: bytes, message: GenerateRequest) -> None:
+        """Check, tokenize (on a thread when the prompt is long), then admit."""
         rid = message.request_id
-        if self.draining:
-            self.reply(identity, ErrorReply("the engine is shutting down", "unavailable", rid))
-            return
-        if rid in self.live or rid in self.groups:
-            raise InvalidRequest(f"request_id {rid!r} is already in use by a live request")
-        error = message.params.validate(self.facts.vocab_size)
-        if error:
-            raise InvalidRequest(error)
-        n = message.params.n
+        try:
+            if self.draining:
+                self.reply(identity, ErrorReply("the engine is shutting down", "unavailable", rid))
+                return
+            if self._known(identity, rid):
+                raise InvalidRequest(f"request_id {rid!r} is already in use by a live request")
+            check_request(message, self.config)
+            check_resume(message, self.config)
+            if message.prompt is not None:
+                check_prompt_text(message.prompt, self.max_prompt_chars, self.config.max_model_len)
+            if message.prompt is not None and len(message.prompt) > INLINE_TOKENIZE_CHARS:
+                self.tokenizing[key(identity, rid)] = message
+                asyncio.get_running_loop().create_task(self._tokenize_then_admit(identity, message))
+                return
+            self.admit(identity, message, self.prompt_token_ids(message))
+        except InvalidRequest as exc:
+            self.reply(identity, ErrorReply(str(exc), "invalid_request", rid))
+
+    async def _tokenize_then_admit(self, identity: bytes, message: GenerateRequest) -> None:
+        eid = key(identity, message.request_id)
+        try:
+            ids = await asyncio.to_thread(self.tokenizer.encode, message.prompt)
+            if self.tokenizing.get(eid) is not message:
+                return  # aborted (or its client went away) meanwhile
+            del self.tokenizing[eid]
+            self.admit(identity, message, ids)
+        except InvalidRequest as exc:
+            self.reply(identity, ErrorReply(str(exc), "invalid_request", message.request_id))
+        except Exception as exc:
+            self.log.exception("tokenizing a %d-character prompt failed", len(message.prompt))
+            self.reply(
+                identity, ErrorReply(f"internal error: {exc}", "internal", message.request_id)
+            )
+        finally:
+            if self.tokenizing.get(eid) is message:
+                del self.tokenizing[eid]
+
+    def prompt_token_ids(self, message: GenerateRequest) -> list[int]:
+        if message.prompt is not None:
+            return self.tokenizer.encode(message.prompt)
+        check_prompt_ids(message.prompt_token_ids, self.config)
+        return list(message.prompt_token_ids)
+
+    def admit(self, identity: bytes, message: GenerateRequest, prompt_ids: list[int]) -> None:
+        """Journal the request (each of its n samples, or those it resumes) and submit it."""
+        rid, params = message.request_id, message.params
+        check_prompt_length(len(prompt_ids), self.config)
+        check_output_size(len(prompt_ids), params, self.config)
+        eid = key(identity, rid)
+        n = params.n
         if len(self.live) + n > self.config.max_live_requests:
+            limit = self.config.max_live_requests
             self.reply(
                 identity,
                 ErrorReply(
-                    f"too many live requests (max_live_requests={self.config.max_live_requests})",
-                    "overloaded",
-                    rid,
+                    f"too many live requests (max_live_requests={limit})", "overloaded", rid
                 ),
             )
             return
-        prompt_ids = self.prompt_token_ids(message)
-        max_len = self.config.max_model_len
-        if len(prompt_ids) >= max_len:
-            raise InvalidRequest(
-                f"prompt is {len(prompt_ids)} tokens, max_model_len is {max_len}: the prompt "
-                f"must be at most {max_len - 1} tokens to leave room for one output token"
-            )
         if n == 1:
-            children = [(rid, message.params)]
+            children = [(eid, 0, params)]
         else:
-            children = [(f"{rid}#{i}", child_params(message.params, i)) for i in range(n)]
-            taken = next((cid for cid, _ in children if cid in self.live), None)
-            if taken is not None:
-                raise InvalidRequest(f"request_id {taken!r} is already in use by a live request")
-            self.groups[rid] = [cid for cid, _ in children]
-        for index, (cid, params) in enumerate(children):
-            fork_of = children[0][0] if index else None  # share sample 0's prompt KV
-            request = AddRequest(cid, prompt_ids, params, [], message.priority, fork_of)
-            detok = incremental_detokenizer(self.tokenizer, prompt_ids)
-            stops = (
-                StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None
+            children = [(f"{eid}#{i}", i, child_params(params, i)) for i in range(n)]
+        resumed = {s.index: s.output_token_ids for s in message.resume or ()}
+        if message.resume is not None:
+            children = [child for child in children if child[1] in resumed]
+        if n > 1:
+            self.groups[eid] = [cid for cid, _, _ in children]
+        for cid, index, child in children:
+            outputs = list(resumed.get(index, ()))
+            fork_of = children[0][0] if index and message.resume is None else None
+            if outputs:
+                child = msgspec.structs.replace(child, prompt_logprobs=None)  # sent already
+            request = AddRequest(cid, prompt_ids, child, outputs, message.priority, fork_of)
+            live = LiveRequest(
+                identity,
+                request,
+                incremental_detokenizer(self.tokenizer, prompt_ids),
+                StopStrings(child.stop, child.include_stop_str_in_output) if child.stop else None,
+                outputs,
+                rid,
+                index,
+                eid if n > 1 else None,
             )
-            self.live[cid] = LiveRequest(identity, request, detok, stops, [], rid, index)
+            if outputs:  # rebuild what the client has: its text was this text, held back alike
+                text = live.detokenizer.add(outputs)
+                if live.stop_strings is not None:
+                    live.stop_strings.feed(text, final=False)
+            self.live[cid] = live
             self.send("scheduler", request)
 
-    def prompt_token_ids(self, message: GenerateRequest) -> list[int]:
-        if (message.prompt is None) == (message.prompt_token_ids is None):
-            raise InvalidRequest("exactly one of prompt and prompt_token_ids must be given")
-        if message.prompt is not None:
-            ids = self.tokenizer.encode(message.prompt)
-            if not ids:
-                raise InvalidRequest("prompt must not be empty")
-            return ids
-        ids = message.prompt_token_ids
-        if not ids:
-            raise InvalidRequest("prompt_token_ids must not be empty")
-        vocab = self.facts.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"prompt_token_ids must be in [0, vocab_size={vocab}), got {bad}")
-        return list(ids)
-
-    def abort(self, request_id: str) -> None:
+    def abort(self, engine_id: str, tell_client: bool = True) -> None:
         """Abort a client's request (every sample of an n > 1 one)."""
-        children = self.groups.get(request_id) or [request_id]
+        self.tokenizing.pop(engine_id, None)
+        children = self.groups.get(engine_id) or [engine_id]
         aborted = [cid for cid in children if cid in self.live]
         if not aborted:
             return
         self.send("scheduler", AbortRequests(aborted))
         retired = [self._retire(cid) for cid in aborted]
-        self._send_deltas(
-            [(live, self._delta(live, "", [], FinishReason.ABORT)) for live in retired]
-        )
+        if tell_client:
+            self._send_deltas(
+                [(live, self._delta(live, "", [], FinishReason.ABORT)) for live in retired]
+            )
         self._maybe_drained()
 
     def _retire(self, request_id: str) -> LiveRequest:
         """Drop a finished request from the journal (and from its n > 1 group)."""
         live = self.live.pop(request_id)
-        group = self.groups.get(live.client_id)
+        group = self.groups.get(live.group_id) if live.group_id else None
         if group is not None:
             group.remove(request_id)
             if not group:
-                del self.groups[live.client_id]
+                del self.groups[live.group_id]
+        if self.quarantine.forget(request_id):
+            self._release_probe()
         return live
+
+    # -- clients that went away --------------------------------------------------------------
+
+    def _client_gone(self, identity: bytes, tell_client: bool = False) -> None:
+        """A send to this client failed (EHOSTUNREACH), or it fell silent: abort its requests
+        (telling it, in case it is only stalled)."""
+        self.heard.pop(identity, None)
+        prefix = identity.hex() + "/"
+        ids = [eid for eid in (*self.groups, *self.live) if eid.startswith(prefix)]
+        ids += [eid for eid in self.tokenizing if eid.startswith(prefix)]
+        if ids:
+            self.log.warning("client %s went away: aborting its %d requests", prefix[:-1], len(ids))
+        for eid in ids:
+            self.abort(eid, tell_client)
+
+    async def _sweep_clients(self) -> None:
+        """Abort the requests of clients silent for client_lease_s (stopped, or not speaking
+        the protocol: the SDK pings every second while it has streams open)."""
+        lease = self.config.client_lease_s
+        while True:
+            await asyncio.sleep(lease / 4)
+            now = time.monotonic()
+            owners = {live.identity for live in self.live.values()}
+            for identity, heard in list(self.heard.items()):
+                if identity not in owners:
+                    del self.heard[identity]
+                elif now - heard > lease:
+                    self.log.warning("client %s silent for %.0f s", identity.hex(), now - heard)
+                    self._client_gone(identity, tell_client=True)
 
     # -- outputs -----------------------------------------------------------------------------
 
     def on_tokens_out(self, message: TokensOut) -> None:
+        if message.epoch != self.epoch:
+            return  # sent before a recovery: its tokens were re-submitted, or will be recomputed
         deltas: list[tuple[LiveRequest, Delta]] = []
+        release = False
         for output in message.outputs:
             live = self.live.get(output.request_id)
             if live is None:  # aborted by the client already
                 continue
             first = not live.output_token_ids
             live.output_token_ids.extend(output.token_ids)
+            if output.token_ids:
+                release |= self.quarantine.progressed(output.request_id)
             text = live.detokenizer.add(output.token_ids) if output.token_ids else ""
             reason = output.finish_reason
             if live.stop_strings is not None:
@@ -280,6 +402,8 @@ class Engine(Actor):
                 delta.prompt_logprobs = output.prompt_logprobs
             deltas.append((live, delta))
         self._send_deltas(deltas)
+        if release:
+            self._release_probe()
         self._maybe_drained()  # after the last deltas went out
 
     def _send_deltas(self, deltas: list[tuple[LiveRequest, Delta]]) -> None:
@@ -288,7 +412,7 @@ class Engine(Actor):
         for live, delta in deltas:
             by_client.setdefault(live.identity, []).append(delta)
         for identity, batch in by_client.items():
-            self.reply(identity, batch[0] if len(batch) == 1 else DeltaBatch(batch))
+            self.outbox.send_deltas(identity, batch)
 
     @staticmethod
     def _delta(live: LiveRequest, text: str, token_ids: list[int], reason) -> Delta:
@@ -319,13 +443,51 @@ class Engine(Actor):
     def on_roster(self, message: Roster) -> None:
         self.roster = message.actors
 
+    # -- recovery ----------------------------------------------------------------------------
+
     def on_recover(self, message: Recover) -> None:
-        self.log.warning("epoch %d: re-submitting %d live requests", message.epoch, len(self.live))
-        for live in self.live.values():
-            resumed = msgspec.structs.replace(
-                live.request, output_token_ids=list(live.output_token_ids)
+        """Re-submit the journal, but for requests that keep killing one actor (quarantine)."""
+        self.epoch = message.epoch
+        in_flight = [rid for rid in self.live if not self.quarantine.is_held(rid)]
+        resubmit, failed = self.quarantine.crashed(message.actor, in_flight)
+        self.log.warning(
+            "epoch %d (%s restarted): re-submitting %d live requests, holding %d, failing %d",
+            message.epoch,
+            message.actor or "an actor",
+            len(resubmit),
+            len(self.quarantine.held),
+            len(failed),
+        )
+        for rid in failed:
+            live = self._retire(rid)
+            crashes = self.config.poison_crashes
+            error = (
+                f"request failed: the {message.actor} crashed {crashes} or more times in a row "
+                f"while it ran (poison_crashes={crashes}); it is not retried"
             )
-            self.send("scheduler", resumed)
+            self.reply(live.identity, ErrorReply(error, "internal", live.client_id))
+            if live.group_id is not None:  # its client's request has failed: stop its siblings
+                self.abort(live.group_id, tell_client=False)
+        for rid in resubmit:
+            if rid in self.live:  # not a sibling of a failed one
+                self._resubmit(self.live[rid])
+        self._release_probe()
+        self._maybe_drained()
+
+    def _resubmit(self, live: LiveRequest) -> None:
+        resumed = msgspec.structs.replace(
+            live.request, output_token_ids=list(live.output_token_ids)
+        )
+        self.send("scheduler", resumed)
+
+    def _release_probe(self) -> None:
+        """Re-submit the next held suspect, once the last one has made progress or ended."""
+        while (rid := self.quarantine.next_probe()) is not None:
+            if rid in self.live:
+                self.log.warning("re-submitting held request %s alone, on trial", rid)
+                self._resubmit(self.live[rid])
+                return
+            self.quarantine.forget(rid)
 
     def on_drain(self, message: Drain) -> None:
         self.draining = True

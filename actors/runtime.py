@@ -3,7 +3,10 @@
 An actor binds one PULL socket (its mailbox) and PUSHes to its peers' mailboxes. Each message is
 decoded with the inbox's typed decoder and handed to `on_<snake_case_name>`; handlers run one at a
 time, in arrival order. A message that cannot be decoded or whose handler raises is logged and
-reported to the supervisor as `ActorError`; the actor keeps running.
+reported to the supervisor as `ActorError` (a flood of them: the first, then a count a second);
+the actor keeps running. A read loop yields to the event loop every `YIELD_EVERY` messages, so
+a flood cannot starve the heartbeat; a read loop that ends anyway (a bug) ends the process with
+a non-zero code, and the supervisor restarts it, never leaving a deaf actor that still beats.
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import inspect
+import itertools
 import logging
 import os
 import re
 import signal
 import sys
+import time
 import typing
 from typing import Any, ClassVar
 
@@ -27,6 +32,28 @@ from ..messages.control import ActorError, Heartbeat, Ready, Stop
 from .config import EngineConfig
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+YIELD_EVERY = 64  # messages a read loop takes without giving the event loop a turn
+READ_LOOP_DIED = 70  # exit code of an actor whose read loop ended (EX_SOFTWARE)
+
+
+class ErrorThrottle:
+    """Says whether to report an error now: the first at once, then at most one report per
+    `interval_s`, carrying how many were held back (a flood of bad messages must neither fill
+    the log nor flood the supervisor's mailbox)."""
+
+    def __init__(self, interval_s: float = 1.0):
+        self.interval_s = interval_s
+        self.held = 0
+        self._last = float("-inf")
+
+    def take(self) -> int | None:
+        """None: hold this one back; else the number held back since the last report."""
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            self.held += 1
+            return None
+        self._last, held, self.held = now, self.held, 0
+        return held
 
 
 def configure_logging(level: int = logging.INFO) -> None:
@@ -88,11 +115,14 @@ class LoopSocket:
         await self._wait_readable()
         return self.socket.recv_multipart(_NOBLOCK)
 
-    def send_multipart(self, frames: list[bytes]) -> None:
-        """Send now (for a ROUTER, which never blocks: it drops what a peer cannot take)."""
-        self.socket.send_multipart(frames)
-        if self.socket.getsockopt(_EVENTS) & _POLLIN:
-            self._readable.set()
+    def send_multipart(self, frames: list[bytes], flags: int = 0) -> None:
+        """Send now (a ROUTER never blocks; with ROUTER_MANDATORY it raises zmq.Again where the
+        peer's queue is full and EHOSTUNREACH where the peer is gone, instead of dropping)."""
+        try:
+            self.socket.send_multipart(frames, flags)
+        finally:
+            if self.socket.getsockopt(_EVENTS) & _POLLIN:
+                self._readable.set()
 
     def close(self, linger: int = 0) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -121,6 +151,8 @@ class Actor:
         self._outboxes: dict[str, zmq.Socket] = {}
         self._stopped = asyncio.Event()
         self._parent_pid = os.getppid()
+        self._error_throttle = ErrorThrottle()
+        self.exit_code = 0
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -153,6 +185,11 @@ class Actor:
         return socket
 
     def report_error(self, message: str) -> None:
+        held = self._error_throttle.take()
+        if held is None:
+            return
+        if held:
+            message = f"{message} (and {held} more errors in the last second, not logged)"
         self.log.error(message)
         self.send("supervisor", ActorError(actor=self.name, pid=os.getpid(), message=message))
 
@@ -169,12 +206,17 @@ class Actor:
             await self.setup()
             self.send("supervisor", self.ready())
             tasks = [
-                asyncio.create_task(self._serve(mailbox)),
-                asyncio.create_task(self._heartbeat()),
-                asyncio.create_task(self.background()),
+                asyncio.create_task(self._serve(mailbox), name="mailbox"),
+                asyncio.create_task(self._heartbeat(), name="heartbeat"),
+                asyncio.create_task(self.background(), name="background"),
             ]
-            await self._stopped.wait()
-            for task in tasks:
+            stopped = asyncio.create_task(self._stopped.wait())
+            waiting = {stopped, *tasks}
+            while stopped in waiting:
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if self._ended_early(done - {stopped}):
+                    break
+            for task in [stopped, *tasks]:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.teardown()
@@ -186,6 +228,26 @@ class Actor:
 
     def request_stop(self) -> None:
         self._stopped.set()
+
+    def _ended_early(self, tasks: set[asyncio.Task]) -> bool:
+        """Whether one of these tasks, ended before Stop, leaves the actor deaf or mute (the
+        mailbox's or the client socket's read loop, the heartbeat): then it exits non-zero, and
+        the supervisor restarts it. `background` may return at once (most actors have none)."""
+        if self._stopped.is_set():
+            return False
+        for task in tasks:
+            error = None if task.cancelled() else task.exception()
+            if task.get_name() == "background" and error is None and not task.cancelled():
+                continue
+            self.log.error(
+                "the %s task ended (%s): exiting for a restart",
+                task.get_name(),
+                f"{type(error).__name__}: {error}" if error else "returned",
+                exc_info=error,
+            )
+            self.exit_code = READ_LOOP_DIED
+            return True
+        return False
 
     def _on_sigterm(self) -> None:
         """SIGTERM stops an actor whose supervisor is gone (PR_SET_PDEATHSIG sends it then).
@@ -203,8 +265,10 @@ class Actor:
         self.request_stop()
 
     async def _serve(self, mailbox: LoopSocket) -> None:
-        while True:
+        for count in itertools.count(1):
             await self.dispatch(await mailbox.receive())
+            if count % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # messages queued: receive() did not suspend
 
     async def dispatch(self, data: bytes) -> None:
         try:
@@ -238,9 +302,11 @@ def actor_main(actor_cls: type[Actor], config_json: str) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the supervisor, which stops us
     config = EngineConfig.from_json(config_json)
+    actor = actor_cls(config)
     try:
         import uvloop
 
-        uvloop.run(actor_cls(config).run())
+        uvloop.run(actor.run())
     except ImportError:
-        asyncio.run(actor_cls(config).run())
+        asyncio.run(actor.run())
+    sys.exit(actor.exit_code)

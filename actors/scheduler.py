@@ -122,7 +122,7 @@ class Scheduler(Actor):
         self._clear()
         self.send("block_manager", message)
         self.send(WORKER_STEPS, message)
-        self.send("engine", Recover(message.epoch))
+        self.send("engine", Recover(message.epoch, message.actor))
 
     # -- requests in and out -----------------------------------------------------------------
 
@@ -155,7 +155,8 @@ class Scheduler(Actor):
         for request in aborted:
             self._finish(request)
         if aborted:
-            self.send("engine", TokensOut(self._last_outputs(aborted, FinishReason.ABORT)))
+            outputs = self._last_outputs(aborted, FinishReason.ABORT)
+            self.send("engine", TokensOut(self.epoch, outputs))
 
     @staticmethod
     def _last_outputs(requests: list[Request], reason: FinishReason) -> list[RequestOutput]:
@@ -329,7 +330,13 @@ class Scheduler(Actor):
         request.told_block_manager = len(request.token_ids)
         shared = request.num_prompt_tokens - 1
         return BlockNeed(
-            request.request_id, shared, 1, True, list(request.token_ids), fork_of=parent.request_id
+            request.request_id,
+            shared,
+            1,
+            True,
+            list(request.token_ids),
+            fork_of=parent.request_id,
+            cache_salt=request.params.cache_salt,  # its own later blocks hash in the salt's chain
         )
 
     def _wants_a_quiet_step(self) -> bool:
@@ -442,7 +449,7 @@ class Scheduler(Actor):
         self._flush_held(outputs)
         self.schedule()
         if outputs:
-            self.send("engine", TokensOut(outputs))
+            self.send("engine", TokensOut(self.epoch, outputs))
 
     def _apply(self, in_flight: list[tuple[Request, int]], result: StepResult):
         for request, count in in_flight:

@@ -3,9 +3,13 @@
 One receive task reads the socket and routes each reply by request id. A stream whose consumer is
 slow does not queue without bound: deltas that arrive before it reads are merged into one per
 sample (`Delta.index`; a request with n > 1 ends once all n samples have finished).
-While streams are open a watchdog pings the Engine every `ping_interval_s`: streams the Engine no
-longer knows (it restarted) fail with EngineError(code="unavailable"), and when nothing at all
-comes back for `liveness_timeout_s` every stream fails with EngineUnavailable. No hang.
+While streams are open a watchdog pings the Engine every `ping_interval_s` (the Engine also
+takes the pings as the client's lease: a client silent for its client_lease_s loses its requests).
+Streams the Engine no longer knows (it died and was restarted) are resumed: the request is sent
+again with the tokens each sample has received (GenerateRequest.resume), and the Engine goes on
+from there, so the stream's output is the one a fault-free run gives; after `max_resumes` of one
+stream it fails with EngineError(code="unavailable"). When nothing at all comes back for
+`liveness_timeout_s` every stream fails with EngineUnavailable. No hang.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ from ..messages.client import (
     HealthRequest,
     Ping,
     Pong,
+    ResumedSample,
+    join,
 )
 from ..messages.codec import Decoder, encode
 from ..messages.common import OutputKind, SamplingParams
+from .curve_keys import secure_dealer
 
 
 class EngineError(Exception):
@@ -51,25 +58,6 @@ class EngineUnavailable(EngineError):
 
     def __init__(self, message: str):
         super().__init__(message, "unavailable")
-
-
-def join(deltas: list[Delta]) -> Delta:
-    """Consecutive deltas of one sample, in order, as one (cached_tokens, like the finish
-    reason, only ever comes with a sample's last delta)."""
-    last = deltas[-1]
-    logprobs = [lp for d in deltas for lp in d.logprobs or ()]
-    return Delta(
-        last.request_id,
-        "".join(d.text for d in deltas),
-        [t for d in deltas for t in d.token_ids],
-        last.finish_reason,
-        last.prompt_tokens,
-        last.completion_tokens,
-        last.cached_tokens,
-        last.index,
-        logprobs if any(d.logprobs is not None for d in deltas) else None,
-        next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
-    )
 
 
 def final_only(params: SamplingParams | None) -> SamplingParams:
@@ -92,9 +80,14 @@ class _Stream:
     every delta is kept and the reader wakes once, when the last sample has finished, so a
     batch of non-streamed requests costs no task wake-up per request per step."""
 
-    def __init__(self, n: int = 1, collect: bool = False):
-        self.n = n
+    def __init__(self, request: GenerateRequest, collect: bool = False):
+        self.request = request  # as first sent
+        self.n = max(1, request.params.n)
         self.collect = collect
+        self.received: dict[int, list[int]] = {}  # token ids of each sample, for a resume
+        self.done: set[int] = set()  # samples that have finished
+        self.resumes = 0  # since its last token
+        self.resumed_at = -1  # the last ping sent before its last resumption
         self.pending: dict[int, Delta] = {}
         self.collected: list[Delta] = []
         self.last_push = time.monotonic()  # when a delta last came: a collecting one's liveness
@@ -105,6 +98,11 @@ class _Stream:
     def push(self, delta: Delta) -> None:
         self.last_push = time.monotonic()
         self.finished += delta.finished
+        self.received.setdefault(delta.index, []).extend(delta.token_ids)
+        if delta.token_ids:
+            self.resumes = 0
+        if delta.finished:
+            self.done.add(delta.index)
         if self.collect:
             self.collected.append(delta)
             if self.finished >= self.n:
@@ -113,6 +111,14 @@ class _Stream:
         held = self.pending.get(delta.index)
         self.pending[delta.index] = delta if held is None else join([held, delta])
         self.event.set()
+
+    def resumption(self) -> GenerateRequest:
+        """The request again, for an Engine that lost it: each unfinished sample with the tokens
+        received so far."""
+        samples = [
+            ResumedSample(i, self.received.get(i, [])) for i in range(self.n) if i not in self.done
+        ]
+        return msgspec.structs.replace(self.request, resume=samples)
 
     def fail(self, error: EngineError) -> None:
         if self.finished >= self.n:
@@ -129,18 +135,26 @@ class AsyncClient:
         timeout_s: float | None = None,
         ping_interval_s: float = 1.0,
         liveness_timeout_s: float = 10.0,
+        max_resumes: int = 3,
+        server_public_key: bytes | str | None = None,
+        client_keys: tuple[bytes | str, bytes | str] | None = None,
     ):
         """`timeout_s`: longest wait for any message of one stream before EngineUnavailable
-        (None: no limit, the watchdog alone decides)."""
+        (None: no limit, the watchdog alone decides). `server_public_key` (z85): talk CurveZMQ
+        to an engine serving with keys, as `client_keys` (public, secret), or a fresh pair;
+        curve_keys.client_options reads both from the files `actorserve keys` wrote."""
         self.address = address
         self.timeout_s = timeout_s
         self.ping_interval_s = ping_interval_s
         self.liveness_timeout_s = liveness_timeout_s
+        self.max_resumes = max_resumes
+        self._ping_seq = 0
         self._last_heard = time.monotonic()
         self._watchdog: asyncio.Task | None = None
         self._ctx = zmq.asyncio.Context()
         self._socket = self._ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        secure_dealer(self._socket, server_public_key, client_keys)
         self._socket.connect(address)
         self._decoder = Decoder(EngineToClient)
         self._streams: dict[str, _Stream] = {}
@@ -170,7 +184,12 @@ class AsyncClient:
                 for stream in self._streams.values():
                     stream.fail(error)
                 continue
-            await self._socket.send(encode(Ping(list(self._streams))))
+            self._ping_seq += 1
+            try:
+                await self._send(encode(Ping(list(self._streams), self._ping_seq)))
+            except EngineUnavailable as error:
+                for stream in self._streams.values():
+                    stream.fail(error)
 
     async def _receive(self) -> None:
         while True:
@@ -183,12 +202,10 @@ class AsyncClient:
             if isinstance(message, Pong):
                 for rid in message.unknown:
                     stream = self._streams.get(rid)
-                    if stream is not None:
-                        stream.fail(
-                            EngineError(
-                                "the engine restarted and lost this request", "unavailable", rid
-                            )
-                        )
+                    if stream is None or stream.finished >= stream.n:
+                        continue
+                    if message.seq > stream.resumed_at:  # asked after the last resumption
+                        await self._resume(rid, stream)
             elif isinstance(message, (Delta, DeltaBatch)):
                 for delta in message.deltas if isinstance(message, DeltaBatch) else [message]:
                     stream = self._streams.get(delta.request_id)
@@ -206,9 +223,39 @@ class AsyncClient:
                 if future is not None and not future.done():
                     future.set_result(message)
 
+    async def _resume(self, rid: str, stream: _Stream) -> None:
+        """Send a stream's request again, as a resumption (the Engine restarted and lost it)."""
+        if stream.resumes >= self.max_resumes:
+            stream.fail(
+                EngineError(
+                    f"the engine lost this request {stream.resumes + 1} times (max_resumes="
+                    f"{self.max_resumes})",
+                    "unavailable",
+                    rid,
+                )
+            )
+            return
+        stream.resumes += 1
+        stream.resumed_at = self._ping_seq
+        try:
+            await self._send(encode(stream.resumption()))
+        except EngineUnavailable as error:
+            stream.fail(error)
+
+    async def _send(self, data: bytes) -> None:
+        """Send, or raise EngineUnavailable: a DEALER with no connection to queue on (a CURVE
+        handshake the Engine refused) would wait for one for ever."""
+        try:
+            await asyncio.wait_for(self._socket.send(data), self.liveness_timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(
+                f"could not send to the engine at {self.address} in {self.liveness_timeout_s} s "
+                "(no connection: is the address right, and are the CurveZMQ keys accepted?)"
+            ) from None
+
     async def send_raw(self, data: bytes) -> None:
         """Send bytes as they are (for tests of the engine's input checks)."""
-        await self._socket.send(data)
+        await self._send(data)
 
     async def generate(
         self,
@@ -240,11 +287,11 @@ class AsyncClient:
         if rid in self._streams:
             raise EngineError(f"request_id {rid!r} is already streaming", "invalid_request", rid)
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-        params = params or SamplingParams()
-        stream = self._streams[rid] = _Stream(max(1, params.n), collect)
+        request = GenerateRequest(rid, text, ids, params or SamplingParams(), priority)
+        stream = self._streams[rid] = _Stream(request, collect)
         self._ensure_receiver()
         try:
-            await self._socket.send(encode(GenerateRequest(rid, text, ids, params, priority)))
+            await self._send(encode(request))
             yield stream
         finally:
             self._streams.pop(rid, None)
@@ -271,7 +318,7 @@ class AsyncClient:
     def _abort_soon(self, request_id: str) -> None:
         """Abort in a task of its own: a caller cancelled mid-stream (a client disconnect, a
         timeout) cannot cancel the abort with it."""
-        task = asyncio.get_running_loop().create_task(self.abort(request_id))
+        task = asyncio.get_running_loop().create_task(self._abort_quietly(request_id))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
 
@@ -283,14 +330,18 @@ class AsyncClient:
             await self._wait(stream)
             return join_samples(stream.collected)
 
+    async def _abort_quietly(self, request_id: str) -> None:
+        with contextlib.suppress(EngineUnavailable):  # no engine to tell: nothing runs for it
+            await self.abort(request_id)
+
     async def abort(self, request_id: str) -> None:
-        await self._socket.send(encode(AbortRequest(request_id)))
+        await self._send(encode(AbortRequest(request_id)))
 
     async def health(self, timeout_s: float = 10.0) -> HealthReply:
         rid = uuid.uuid4().hex
         future = self._health[rid] = asyncio.get_running_loop().create_future()
         self._ensure_receiver()
-        await self._socket.send(encode(HealthRequest(rid)))
+        await self._send(encode(HealthRequest(rid)))
         try:
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
@@ -324,7 +375,8 @@ class Client:
     """Blocking wrapper: an AsyncClient on a private event loop thread."""
 
     def __init__(self, address: str, **options):
-        """`options`: AsyncClient's (timeout_s, ping_interval_s, liveness_timeout_s)."""
+        """`options`: AsyncClient's (timeout_s, ping_interval_s, liveness_timeout_s,
+        server_public_key, client_keys)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, daemon=True, name="actorserve-client"

@@ -11,14 +11,30 @@ from .common import FinishReason, SamplingParams, TokenLogprobs
 from .control import ActorStatus
 
 
+class ResumedSample(msgspec.Struct, forbid_unknown_fields=True):
+    """Sample `index` of a request, with the token ids its client has received so far."""
+
+    index: int
+    output_token_ids: list[int]
+
+
 class GenerateRequest(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit_defaults=True):
-    """Exactly one of `prompt` (text, tokenized by the Engine) and `prompt_token_ids`."""
+    """Exactly one of `prompt` (text, tokenized by the Engine) and `prompt_token_ids`.
+
+    `resume` (the SDK's side of recovery from an Engine death): the samples of a request the
+    client was receiving from an Engine that died, each with the tokens it received. The Engine
+    continues each from there, as its own journal would after another actor's restart: same
+    params (seeded draws keyed on the token's position, so the output is the fault-free one),
+    the text and stop-string state rebuilt from those tokens, nothing sent twice. Samples not
+    listed had finished; they are not run again.
+    """
 
     request_id: str
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     priority: int = 0  # lower runs first; FCFS within a level
+    resume: list[ResumedSample] | None = None
 
 
 class AbortRequest(msgspec.Struct, tag=True, forbid_unknown_fields=True):
@@ -30,9 +46,12 @@ class HealthRequest(msgspec.Struct, tag=True, forbid_unknown_fields=True):
 
 
 class Ping(msgspec.Struct, tag=True, forbid_unknown_fields=True):
-    """SDK liveness probe: which of these streams does the Engine still know?"""
+    """SDK liveness probe: which of these streams does the Engine still know? `seq` comes back
+    in the Pong (the SDK numbers its pings: a Pong to a ping sent before a resumption says
+    nothing of it)."""
 
     request_ids: list[str]
+    seq: int = 0
 
 
 class Pong(msgspec.Struct, tag=True):
@@ -40,6 +59,7 @@ class Pong(msgspec.Struct, tag=True):
 
     unknown: list[str]
     draining: bool = False
+    seq: int = 0  # the Ping's
 
 
 class Delta(msgspec.Struct, tag=True, omit_defaults=True):
@@ -66,6 +86,25 @@ class Delta(msgspec.Struct, tag=True, omit_defaults=True):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def join(deltas: list[Delta]) -> Delta:
+    """Consecutive deltas of one sample, in order, as one (cached_tokens, like the finish
+    reason, only ever comes with a sample's last delta)."""
+    last = deltas[-1]
+    logprobs = [lp for d in deltas for lp in d.logprobs or ()]
+    return Delta(
+        last.request_id,
+        "".join(d.text for d in deltas),
+        [t for d in deltas for t in d.token_ids],
+        last.finish_reason,
+        last.prompt_tokens,
+        last.completion_tokens,
+        last.cached_tokens,
+        last.index,
+        logprobs if any(d.logprobs is not None for d in deltas) else None,
+        next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
+    )
 
 
 class ErrorReply(msgspec.Struct, tag=True, omit_defaults=True):

@@ -17,6 +17,7 @@ EngineInbox = TokensOut | StatsReply | Roster | Recover | Drain | Stop
 SchedulerInbox = AddRequest | AbortRequests | Allocation | StepResult | StatsQuery | Reset | Stop
 BlockManagerInbox = AllocateStep | FreeBlocks | StatsQuery | Reset | Stop
 WorkerInbox = Stop
+GatewayInbox = Drain | Stop  # the HTTP gateway's process (a supervised child, not an actor)
 WorkerStepsInbox = StepPlan | Reset | Stop  # read by the Worker's forward thread (WORKER_STEPS)
 SupervisorInbox = ToSupervisor
 
@@ -30,20 +31,30 @@ def encode(message: msgspec.Struct) -> bytes:
 
 
 class Decoder(Generic[T]):
-    """Decodes one inbox's messages; raises one of `DecodeError` on bytes it cannot take."""
+    """Decodes one inbox's messages; raises one of `DecodeError` on any bytes it cannot take.
+
+    msgspec raises other exceptions on some hostile bytes (RecursionError on deeply nested
+    arrays); they are raised as DecodeError too, so a reader's one `except DecodeError` covers
+    every input."""
 
     def __init__(self, inbox: Any):
         self._decoder = msgspec.msgpack.Decoder(inbox)
 
     def decode(self, data: bytes) -> T:
-        return self._decoder.decode(data)
+        try:
+            return self._decoder.decode(data)
+        except DecodeError:
+            raise
+        except Exception as exc:
+            raise msgspec.DecodeError(f"{type(exc).__name__}: {exc}") from None
 
 
 def peek_request_id(data: bytes) -> str | None:
-    """Best effort: the `request_id` of an undecodable client message, to address the error."""
+    """Best effort: the `request_id` of an undecodable client message, to address the error.
+    Never raises, whatever the bytes."""
     try:
         raw = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError:
+    except Exception:
         return None
     if isinstance(raw, dict) and isinstance(raw.get("request_id"), str):
         return raw["request_id"]
@@ -57,6 +68,7 @@ __all__ = [
     "Decoder",
     "EngineInbox",
     "EngineToClient",
+    "GatewayInbox",
     "SchedulerInbox",
     "SupervisorInbox",
     "WorkerInbox",

@@ -6,11 +6,23 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_STOP_STRINGS = 16
 MAX_N = 64  # parallel samples of one request
 MAX_LOGPROBS = 20  # top alternatives per token (logprobs, prompt_logprobs)
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_CACHE_SALT = 256  # characters of cache_salt
+MAX_STOP_TOKEN_IDS = 1024  # entries of stop_token_ids
+MAX_TOKENS = 1 << 20  # max_tokens of one sample (a request also stops at max_model_len)
+
+
+def max_prompt_chars(longest_token_chars: int, max_model_len: int) -> int:
+    """More characters than any prompt of fewer than max_model_len tokens can have, for a
+    vocabulary whose longest token string has `longest_token_chars` characters: each token
+    stands for at most that many (byte-level BPE: one a byte; a character is at least a byte),
+    with a factor 2 of slack for normalizers. A longer prompt is refused before it is
+    tokenized (seconds of CPU for a few MB of text)."""
+    return 2 * max(longest_token_chars, 16) * max_model_len
 
 
 class FinishReason(str, enum.Enum):
@@ -57,6 +69,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     EngineConfig.final_only_flush_s while it runs, so the client hears of it; a request with
     `stop` strings still goes token by token to the Engine, which checks them, and is delivered
     the same way.
+    `cache_salt` (vLLM's): requests share prefix-cache blocks only with requests of the same
+    salt (or, without one, with the others without one): one secret salt per tenant keeps a
+    tenant from learning, by timing, what another's prompts hold.
     """
 
     n: int = 1
@@ -78,6 +93,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: OutputKind = OutputKind.DELTA
+    cache_salt: str | None = None
 
     def validate(self, vocab_size: int) -> str | None:
         """None when the params are acceptable, else a message naming the field and its limit."""
@@ -93,12 +109,17 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             )
         if not 0.0 <= self.min_p <= 1.0:
             return f"min_p must be in [0, 1], got {self.min_p}"
-        if self.max_tokens < 1:
-            return f"max_tokens must be >= 1, got {self.max_tokens}"
+        if not 1 <= self.max_tokens <= MAX_TOKENS:
+            return f"max_tokens must be in [1, {MAX_TOKENS}], got {self.max_tokens}"
         if not 0 <= self.min_tokens <= self.max_tokens:
             return f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
         if self.seed is not None and not 0 <= self.seed < 2**63:
             return f"seed must be in [0, 2**63), got {self.seed}"
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            return (
+                f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                f"got {len(self.stop_token_ids)}"
+            )
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             return f"stop_token_ids must be in [0, vocab_size={vocab_size}), got {bad[0]}"
@@ -106,6 +127,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             return (
                 f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings of at most 256 "
                 f"characters, got {self.stop!r:.80}"
+            )
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT:
+            return (
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters, "
+                f"got {len(self.cache_salt)} characters"
             )
         return self._validate_logits_params(vocab_size)
 

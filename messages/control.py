@@ -48,15 +48,20 @@ class Reset(msgspec.Struct, tag=True, array_like=True):
     """Supervisor -> Scheduler after an actor restarted; the Scheduler clears its state and
     forwards it to the BlockManager and Worker (after anything it sent them before), then sends
     Recover to the Engine. Messages stamped with another epoch are dropped from then on.
+    `actor`: the one that was restarted (the Engine counts each request's consecutive crashes
+    of one actor: poison quarantine).
     """
 
     epoch: int
+    actor: str = ""
 
 
 class Recover(msgspec.Struct, tag=True, array_like=True):
-    """Scheduler -> Engine, after every earlier TokensOut: re-submit each live request."""
+    """Scheduler -> Engine, after every earlier TokensOut: re-submit each live request.
+    `actor`: the one whose restart caused it (as in Reset)."""
 
     epoch: int
+    actor: str = ""
 
 
 class Drain(msgspec.Struct, tag=True, array_like=True):

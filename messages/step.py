@@ -43,8 +43,11 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tru
 
 
 class TokensOut(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """Scheduler -> Engine after each step: new tokens and finishes (aborts included)."""
+    """Scheduler -> Engine after each step: new tokens and finishes (aborts included). `epoch`:
+    the Scheduler's; the Engine drops those of another epoch than its last Recover's, so a stale
+    message read after a recovery can never duplicate tokens."""
 
+    epoch: int
     outputs: list[RequestOutput]
 
 

@@ -129,9 +129,13 @@ class EngineServer:
         ready_timeout_s: float = 180.0,
         env: dict[str, str] | None = None,
         new_session: bool = False,
+        address: str | None = None,
+        client_options: dict | None = None,
     ):
+        """`address`: the SDK address (default ipc:// in a fresh directory); `client_options`:
+        the SDK's keyword arguments for it (CurveZMQ keys)."""
         self.run_dir = tempfile.mkdtemp(prefix="actorserve-test-")
-        self.address = f"ipc://{self.run_dir}/engine.sock"
+        self.address = address or f"ipc://{self.run_dir}/engine.sock"
         cmd = [
             sys.executable,
             "-m",
@@ -161,7 +165,7 @@ class EngineServer:
         if "serving" not in line:
             self.proc.kill()
             raise RuntimeError(f"engine did not start: {line!r}\n{self.log_path.read_text()}")
-        self.client = Client(self.address, timeout_s=120)
+        self.client = Client(self.address, timeout_s=120, **(client_options or {}))
 
     def _read_line(self, timeout_s: float) -> str:
         result = [""]

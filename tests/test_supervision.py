@@ -1,6 +1,7 @@
 """Supervision: actors that die or hang are replaced and every stream completes unchanged;
-past the restart budget the engine stops with errors; SIGTERM drains; the Engine's death is a
-clear error for clients; supervisord brings a killed `actorserve serve` back."""
+past the restart budget the engine stops with errors; SIGTERM drains; supervisord brings a killed
+`actorserve serve` back. (The Engine's death through HTTP and with seeded sampling:
+test_engine_death.py.)"""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def engine(llama_dir):
     assert server.stop() == 0
 
 
-@pytest.mark.parametrize("victim", ["worker", "scheduler", "block_manager"])
+@pytest.mark.parametrize("victim", ["worker", "scheduler", "block_manager", "engine"])
 def test_sigkill_mid_stream_loses_nothing_and_output_equals_fault_free(llama_dir, engine, victim):
     prompts = prompts_of_lengths(llama_dir)
     before = {a.name: a for a in engine.client.health().actors}
@@ -222,28 +223,6 @@ def test_a_sigstopped_worker_is_killed_within_three_heartbeats_and_streams_compl
     assert worker.pid != old_pid and worker.last_recovery_s > 0
     log = engine.log()
     assert "sent no heartbeat" in log
-
-
-def test_engine_death_is_a_clear_error_for_clients_and_the_engine_comes_back(llama_dir, engine):
-    prompt = prompts_of_lengths(llama_dir, [50])[0]
-    engine_pid = actor_pid(engine, "engine")
-
-    async def run():
-        async with AsyncClient(engine.address, ping_interval_s=0.2, liveness_timeout_s=3) as c:
-            got = 0
-            async for delta in c.generate(prompt, SamplingParams(max_tokens=400, ignore_eos=True)):
-                got += len(delta.token_ids)
-                if got >= 5:
-                    os.kill(engine_pid, signal.SIGKILL)
-
-    started = time.monotonic()
-    with pytest.raises(EngineError) as info:
-        asyncio.run(run())
-    assert info.value.code == "unavailable"
-    assert time.monotonic() - started < 30
-    wait_until(lambda: actor_pid(engine, "engine") not in (engine_pid, None), 30, "a new engine")
-    done = engine.client.complete("def f():", SamplingParams(max_tokens=5))
-    assert done.completion_tokens == 5
 
 
 def test_past_the_restart_budget_the_engine_stops_nonzero_and_clients_get_errors(llama_dir):

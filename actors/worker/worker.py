@@ -162,9 +162,18 @@ class Worker(Actor):
                 self.epoch = item.epoch
                 self.runner.forget_all()
             elif item.epoch == self.epoch:
+                self._crash_if_faulty(item)
                 result = self._execute(item)
                 if item.running or item.new:
                     results.send(encode(result), copy=False)
+
+    def _crash_if_faulty(self, plan: StepPlan) -> None:
+        """The tests' poison request (EngineConfig.fault_crash_on_token_id): a new request whose
+        tokens hold that id kills this process at once, as a crash in native code would."""
+        token = self.config.fault_crash_on_token_id
+        if token is not None and any(token in new.token_ids for new in plan.new):
+            self.log.error("fault_crash_on_token_id %d: crashing, as configured", token)
+            os._exit(70)
 
     def _forward_ended(self, future: asyncio.Future) -> None:
         """A forward thread that died (not by teardown's Stop) stops the Worker: the supervisor
