@@ -3,6 +3,7 @@
 actorserve serve --model DIR [--address tcp://127.0.0.1:PORT | ipc://PATH]
 actorserve generate --model DIR --prompt "..." [--max-tokens N --temperature T --top-p P
                     --seed S] [--address ADDR to use a running engine]
+actorserve keys DIR   CurveZMQ key pairs for serving on tcp:// (--curve-server-key ...)
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import sys
 import time
 
 from .actors.config import EngineConfig
+from .actors.curve import with_own_client
 from .actors.runtime import configure_logging
 from .actors.supervisor import BackgroundSupervisor, Supervisor, SupervisorError
 from .gateway.client import Client, EngineError
+from .gateway.curve_keys import client_options, write_keys
 from .messages.common import SamplingParams
 
 
@@ -40,6 +43,15 @@ ENGINE_FLAGS = [  # (flag, EngineConfig field, type)
     ("--max-num-batched-tokens", "max_num_batched_tokens", int),
     ("--max-model-len", "max_model_len", int),
     ("--max-live-requests", "max_live_requests", int),
+    ("--max-client-message-bytes", "max_client_message_bytes", int),
+    ("--max-request-output-tokens", "max_request_output_tokens", int),
+    ("--max-logprob-entries", "max_logprob_entries", int),
+    ("--priority-min", "priority_min", int),
+    ("--priority-max", "priority_max", int),
+    ("--poison-crashes", "poison_crashes", int),
+    ("--client-lease-s", "client_lease_s", float),
+    ("--client-queue-messages", "client_queue_messages", int),
+    ("--fault-crash-on-token-id", "fault_crash_on_token_id", int),
     ("--device", "device", str),
     ("--dtype", "dtype", str),
     ("--attention-backend", "attention_backend", str),
@@ -55,6 +67,9 @@ ENGINE_FLAGS = [  # (flag, EngineConfig field, type)
     ("--preemption-mode", "preemption_mode", str),
     ("--preemption-victim", "preemption_victim", str),
     ("--num-cpu-blocks", "num_cpu_blocks", int),
+    ("--curve-server-key", "curve_server_key", str),
+    ("--curve-authorized-clients", "curve_authorized_clients", str),
+    ("--insecure-loopback", "insecure_loopback", _flag),
 ]
 
 
@@ -95,72 +110,94 @@ async def serve(
 ) -> int:
     """Run the engine (and, with `http`, the gateway on it) until SIGTERM/SIGINT; the exit code.
 
-    SIGTERM: the gateway answers 503 to new requests, the engine drains those in flight (up to
-    drain_timeout_s), the gateway closes its connections, the actors stop; exit 0.
+    The gateway is a supervised process of its own (gateway_process.py), serving on a socket
+    bound here, so a restarted gateway serves on the same port. SIGTERM: the gateway answers
+    503 to new requests, the engine drains those in flight (up to drain_timeout_s), the
+    gateway closes its connections, the actors stop; exit 0.
     """
+    log = logging.getLogger("actorserve")
     try:
+        config, own_client = with_own_client(config)  # the gateway's key, for a CURVE engine
         supervisor = Supervisor(config, address)
     except (ValueError, OSError) as exc:
-        logging.getLogger("actorserve").error("cannot serve: %s", exc)
+        log.error("cannot serve: %s", exc)
         return 1
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    gateway = None
+    url = listening = None
     if http is not None:
-        from .gateway.server import HTTPGateway  # FastAPI and uvicorn: only `serve` needs them
-
-        settings = gateway_settings(http, supervisor.config)
-        gateway = HTTPGateway(supervisor.client_address, settings, http.host, http.port)
         try:
-            gateway.prepare()  # binds now; loads the tokenizer while the actors start
+            url, listening = supervise_gateway(supervisor, http, own_client)
         except OSError as exc:
-            log = logging.getLogger("actorserve")
             log.error("cannot serve HTTP on %s port %s: %s", http.host, http.port, exc)
             await supervisor.stop("the gateway could not start")
             return 1
     try:
         await supervisor.start()
     except SupervisorError as exc:
-        logging.getLogger("actorserve").error("cannot serve: %s", exc)
+        log.error("cannot serve: %s", exc)
         return 1
     print(f"actorserve: serving {config.model} at {supervisor.client_address}", flush=True)
-    if gateway is not None:
-        try:
-            url = await gateway.start()
-        except Exception as exc:
-            logging.getLogger("actorserve").exception("cannot start the gateway: %s", exc)
-            await supervisor.stop("the gateway could not start")
-            return 1
+    if url is not None:
         print(f"actorserve: {url}", flush=True)
     waiter = asyncio.ensure_future(supervisor.wait())
     stopper = asyncio.ensure_future(stopping.wait())
-    watched = [waiter, stopper] + ([gateway.task] if gateway else [])
-    await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-    if gateway is not None and not stopper.done() and not waiter.done():
-        logging.getLogger("actorserve").error("the HTTP gateway stopped; stopping the engine")
-        await gateway.stop(0)
-        await supervisor.stop("the gateway stopped")
-        return 1
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
     if waiter.done():
         stopper.cancel()
-        if gateway is not None:
-            await gateway.stop(0)
         try:
             waiter.result()
         except SupervisorError as exc:
-            logging.getLogger("actorserve").error("engine stopped: %s", exc)
+            log.error("engine stopped: %s", exc)
             return 1
         return 0
-    if gateway is not None:
-        gateway.refuse_new()
     await supervisor.drain()
-    if gateway is not None:
-        await gateway.stop()
     await supervisor.stop("SIGTERM")
     waiter.cancel()
+    if listening is not None:
+        listening.close()
     return 0
+
+
+def supervise_gateway(supervisor: Supervisor, http: argparse.Namespace, client: dict):
+    """Bind the HTTP port (OSError if taken) and have the supervisor run the gateway on it;
+    (its URL, the listening socket: keep it open while serving). The spec, with the SDK's keys,
+    goes in a 0600 file in the private run directory, not on a command line anyone may read."""
+    import msgspec
+
+    from .actors.supervisor import Child
+    from .gateway.server import bind
+    from .gateway_process import NAME, GatewaySpec
+
+    sock = bind(http.host, http.port)
+    port = sock.getsockname()[1]
+    addresses = supervisor.config.addresses
+    spec = GatewaySpec(
+        settings=gateway_settings(http, supervisor.config),
+        engine_address=supervisor.client_address,
+        supervisor_mailbox=addresses.mailbox("supervisor"),
+        mailbox=addresses.mailbox(NAME),
+        heartbeat_interval_s=supervisor.config.heartbeat_interval_s,
+        listen_fd=sock.fileno(),
+        host=http.host,
+        port=port,
+        client_options={k: _z85_text(v) for k, v in client.items()},
+    )
+    path = os.path.join(addresses.run_dir, "gateway.json")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        f.write(msgspec.json.encode(spec))
+    supervisor.supervise(Child(NAME, "actorserve.gateway_process", [path], (sock.fileno(),)))
+    host = f"[{http.host}]" if ":" in http.host else http.host
+    return f"http://{host}:{port}", sock
+
+
+def _z85_text(value):
+    """A key (or key pair) as JSON text."""
+    if isinstance(value, tuple | list):
+        return [_z85_text(v) for v in value]
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def gateway_settings(args: argparse.Namespace, config: EngineConfig):
@@ -175,6 +212,16 @@ def gateway_settings(args: argparse.Namespace, config: EngineConfig):
         api_key=args.api_key or None,
         max_concurrent_requests=args.max_concurrent_requests or config.max_live_requests,
         max_body_bytes=args.max_body_bytes,
+        max_connections=args.max_connections,
+        keep_alive_s=args.keep_alive_s,
+        read_timeout_s=args.read_timeout_s,
+        max_header_bytes=args.max_header_bytes,
+        send_timeout_s=args.send_timeout_s,
+        max_requests_per_socket=args.max_requests_per_socket,
+        health_timeout_s=args.health_timeout_s,
+        health_interval_s=args.health_interval_s,
+        allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
+        allowed_hosts=[h.strip() for h in args.allowed_hosts.split(",") if h.strip()],
     )
 
 
@@ -201,9 +248,12 @@ def run_generate(args: argparse.Namespace) -> int:
     address = args.address
     try:
         if address is None:
-            stack = BackgroundSupervisor(engine_config(args))
+            config, options = with_own_client(engine_config(args))
+            stack = BackgroundSupervisor(config)
             address = stack.start()
-        with Client(address, timeout_s=args.timeout_s) as client:
+        else:
+            options = client_options(args.curve_server_public_key, args.curve_client_key)
+        with Client(address, timeout_s=args.timeout_s, **options) as client:
             started = time.perf_counter()
             first = None
             last = None
@@ -222,7 +272,7 @@ def run_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 0
-    except (SupervisorError, EngineError, ValueError) as exc:
+    except (SupervisorError, EngineError, ValueError, OSError) as exc:
         print(f"actorserve generate: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -234,9 +284,10 @@ def run_status(args: argparse.Namespace) -> int:
     """Print each actor's name, PID, state, restarts, heartbeat age and the messages it could not
     handle, and the engine's stats."""
     try:
-        with Client(args.address) as client:
+        options = client_options(args.curve_server_public_key, args.curve_client_key)
+        with Client(args.address, **options) as client:
             health = client.health(timeout_s=args.timeout_s)
-    except EngineError as exc:
+    except (EngineError, ValueError, OSError) as exc:
         print(f"actorserve status: {exc}", file=sys.stderr)
         return 1
     print(
@@ -253,6 +304,37 @@ def run_status(args: argparse.Namespace) -> int:
         f"{s.num_preemptions}; KV blocks {s.blocks_used}/{s.blocks_total} used"
     )
     return 0 if health.ok else 1
+
+
+def add_client_key_flags(parser: argparse.ArgumentParser) -> None:
+    """The SDK's CurveZMQ keys, for an engine serving on tcp:// with --curve-server-key."""
+    group = parser.add_argument_group("CurveZMQ (an --address served with keys)")
+    group.add_argument(
+        "--curve-server-public-key", default=None, help="the engine's server.key (public)"
+    )
+    group.add_argument(
+        "--curve-client-key",
+        default=None,
+        help="this client's .key_secret (needed when the engine has authorized clients)",
+    )
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    """Write a server and a client key pair, and say which flag takes which file."""
+    try:
+        paths = write_keys(args.dir)
+    except (OSError, ValueError) as exc:
+        print(f"actorserve keys: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"wrote CurveZMQ keys to {args.dir} (files 0600)\n"
+        f"  serve:   --curve-server-key {paths['server_secret']} "
+        f"--curve-authorized-clients {paths['authorized_client'].parent}\n"
+        f"  clients: --curve-server-public-key {paths['server_public']} "
+        f"--curve-client-key {paths['client_secret']}\n"
+        f"  (SDK: Client(address, **curve_keys.client_options(server.key, client.key_secret)))"
+    )
+    return 0
 
 
 BENCHMARKS = (
@@ -315,7 +397,68 @@ def main(argv: list[str] | None = None) -> int:
         "--max-body-bytes",
         type=int,
         default=8 * 1024 * 1024,
-        help="largest request body accepted (default 8 MiB)",
+        help="largest request body accepted, and WebSocket message (default 8 MiB)",
+    )
+    web.add_argument(
+        "--max-connections",
+        type=int,
+        default=2048,
+        help="open HTTP + WebSocket connections; one more gets 503 (default 2048)",
+    )
+    web.add_argument(
+        "--keep-alive-s",
+        type=float,
+        default=5.0,
+        help="close an idle keep-alive connection after this (default 5)",
+    )
+    web.add_argument(
+        "--read-timeout-s",
+        type=float,
+        default=30.0,
+        help="a request's head, then its body, must arrive within this; else 408 (default 30)",
+    )
+    web.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=16 * 1024,
+        help="longest request line + headers; over it, 431 (default 16 KiB)",
+    )
+    web.add_argument(
+        "--send-timeout-s",
+        type=float,
+        default=30.0,
+        help="drop a connection that takes none of our output for this long, aborting its "
+        "requests (default 30)",
+    )
+    web.add_argument(
+        "--max-requests-per-socket",
+        type=int,
+        default=64,
+        help="live requests on one WebSocket; a generate over it gets an error frame (default 64)",
+    )
+    web.add_argument(
+        "--health-timeout-s",
+        type=float,
+        default=10.0,
+        help="how long /health and /ready wait for the engine (default 10)",
+    )
+    web.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=5.0,
+        help="/health and /ready ask the engine at most once per interval (default 5)",
+    )
+    web.add_argument(
+        "--allowed-origins",
+        default="",
+        help="comma-separated browser origins allowed besides the server's own pages (CORS, "
+        "WebSocket handshakes); '*': any (default: the server's own only)",
+    )
+    web.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="comma-separated Host names accepted ('*.example.com': subdomains); set it on a "
+        "private address against DNS rebinding (default: any)",
     )
     p.set_defaults(func=run_serve)
 
@@ -330,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--address", default=None, help="use an engine already serving there")
     p.add_argument("--timeout-s", type=float, default=300.0)
+    add_client_key_flags(p)
     p.set_defaults(func=run_generate)
 
     p = commands.add_parser("bench", help="run a benchmark script (see scripts/)")
@@ -340,7 +484,12 @@ def main(argv: list[str] | None = None) -> int:
     p = commands.add_parser("status", help="list the actors of a running engine")
     p.add_argument("--address", required=True)
     p.add_argument("--timeout-s", type=float, default=5.0)
+    add_client_key_flags(p)
     p.set_defaults(func=run_status)
+
+    p = commands.add_parser("keys", help="write CurveZMQ key pairs for serving on tcp://")
+    p.add_argument("dir", help="directory for the key files (made 0700 if new)")
+    p.set_defaults(func=run_keys)
 
     args = parser.parse_args(argv)
     configure_logging()

@@ -11,6 +11,11 @@ the step state everywhere and has the Engine re-submit its journal. More than `m
 deaths of one actor within `restart_window_s` stop the whole tree with the reason.
 Drain: the Engine refuses new requests until in-flight ones finish (or `drain_timeout_s`).
 Stop: Engine first (no new requests), then Scheduler, BlockManager, Worker.
+
+Other children (`supervise`, before start: the HTTP gateway) are watched and restarted the same
+way, but hold no step state: they start after the Engine, stop before it, are drained first
+(they refuse new requests), and their restart resets nothing. They speak the actors' control
+protocol: Ready and Heartbeat to the supervisor's mailbox, Drain and Stop on their own.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from ..messages.control import (
     Stop,
 )
 from .config import ACTORS, Addresses, EngineConfig
+from .curve import check_curve
 from .runtime import LoopSocket
 
 MODULES = {
@@ -56,6 +62,16 @@ log = logging.getLogger("supervisor")
 
 class SupervisorError(RuntimeError):
     """The engine cannot serve: an actor failed to start or died."""
+
+
+class Child(msgspec.Struct, frozen=True):
+    """A supervised process beside the four actors: `python -m MODULE ARGS...`, inheriting
+    `pass_fds` (a listening socket it serves on, the same across its restarts)."""
+
+    name: str
+    module: str
+    args: list[str] = []
+    pass_fds: tuple[int, ...] = ()
 
 
 class ActorProcess:
@@ -93,6 +109,7 @@ class ActorProcess:
 class Supervisor:
     def __init__(self, config: EngineConfig, client_address: str | None = None):
         config.validate()
+        check_curve(config, client_address)  # tcp:// only with CURVE keys (or loopback, if asked)
         self.config = config.resolve_model()
         self.run_dir = tempfile.mkdtemp(prefix="actorserve-")  # mode 0700
         self.config = msgspec.structs.replace(
@@ -102,6 +119,7 @@ class Supervisor:
             ),
         )
         self.actors: dict[str, ActorProcess] = {}
+        self.children: dict[str, Child] = {}  # by name; started after the actors
         self.failure: str | None = None
         self.epoch = self.config.epoch
         self._drained = asyncio.Event()
@@ -125,7 +143,7 @@ class Supervisor:
         self.mailbox = LoopSocket(socket)
         self._tasks.append(asyncio.create_task(self._receive()))
         try:
-            for name in ACTORS:
+            for name in (*ACTORS, *self.children):
                 self._spawn(name)
                 ready = await self._wait_ready(name)
                 if name == "worker":
@@ -144,16 +162,26 @@ class Supervisor:
             ", ".join(f"{a.name}={a.process.pid}" for a in self.actors.values()),
         )
 
+    def supervise(self, child: Child) -> None:
+        """Start, watch and restart `child` too (call before start)."""
+        self.children[child.name] = child
+
     def _spawn(self, name: str, restart: bool = False) -> None:
-        config = msgspec.structs.replace(self.config, epoch=-1) if restart else self.config
         env = dict(os.environ)
         if name != "worker":  # only the Worker computes with torch; the others keep one thread
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        child = self.children.get(name)
+        if child is not None:
+            command, pass_fds = [child.module, *child.args], child.pass_fds
+        else:
+            config = msgspec.structs.replace(self.config, epoch=-1) if restart else self.config
+            command, pass_fds = [MODULES[name], config.to_json().decode()], ()
         process = subprocess.Popen(
-            [sys.executable, "-m", MODULES[name], config.to_json().decode()],
+            [sys.executable, "-m", *command],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=sys.stderr,
+            pass_fds=pass_fds,
         )
         self.actors[name] = ActorProcess(name, process, self.actors.get(name))
 
@@ -206,7 +234,7 @@ class Supervisor:
         if isinstance(message, Ready):
             actor.ready = message
             self._ready_changed.set()
-        elif isinstance(message, Drained):
+        elif isinstance(message, Drained) and message.actor == "engine":
             self._drained.set()
         elif isinstance(message, ActorError):
             actor.errors += 1
@@ -276,8 +304,9 @@ class Supervisor:
             if replacement.process.poll() is None:
                 replacement.process.kill()
             return  # the monitor sees the exit and tries again, within the budget
-        self.epoch += 1
-        self._send("scheduler", Reset(self.epoch))
+        if actor.name not in self.children:  # they hold no step state to reset
+            self.epoch += 1
+            self._send("scheduler", Reset(self.epoch, actor.name))
         replacement.last_recovery_s = time.monotonic() - noticed
         self._send_roster()
         log.warning(
@@ -317,6 +346,8 @@ class Supervisor:
         engine = self.actors.get("engine")
         if engine is None or engine.process.poll() is not None:
             return False
+        for name in self.children:  # they refuse new requests first
+            self._send(name, Drain())
         self._drained.clear()
         self._send("engine", Drain())
         try:
@@ -335,7 +366,7 @@ class Supervisor:
         for task in self._tasks:
             if task is not current:
                 task.cancel()
-        for name in reversed(ACTORS):
+        for name in (*self.children, *reversed(ACTORS)):
             actor = self.actors.get(name)
             if actor is None or actor.process.poll() is not None:
                 continue

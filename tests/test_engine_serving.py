@@ -155,11 +155,11 @@ def parent_pid(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-def test_four_actors_are_distinct_live_processes_under_the_supervisor(engine):
+def test_four_actors_and_the_gateway_are_distinct_live_processes_under_the_supervisor(engine):
     actors = {a.name: a for a in engine.client.health().actors}
-    assert set(actors) == {"engine", "scheduler", "block_manager", "worker"}
+    assert set(actors) == {"engine", "scheduler", "block_manager", "worker", "gateway"}
     pids = {a.pid for a in actors.values()}
-    assert len(pids) == 4 and engine.proc.pid not in pids
+    assert len(pids) == 5 and engine.proc.pid not in pids
     for actor in actors.values():
         assert actor.state == "ready"
         os.kill(actor.pid, 0)  # alive
