@@ -2,7 +2,8 @@
 
 Inbox (its mailbox, from the supervisor): Drain (answer 503 to new requests), Stop (let the
 responses in flight finish, up to `grace_s`, then exit 0).
-Outbox: Ready once it serves, Heartbeat every interval -> supervisor.
+Outbox: Ready once it serves, Heartbeat every interval, Drained once it refuses new requests
+-> supervisor.
 Owns: the HTTP server on a listening socket it inherits (the supervisor keeps it open, so a
 restarted gateway serves on the same port and no connection is refused meanwhile), its SDK
 client to the Engine, the chat template.
@@ -31,7 +32,7 @@ from .actors.runtime import LoopSocket, configure_logging, die_with_parent
 from .gateway.server import HTTPGateway
 from .gateway.service import GatewaySettings
 from .messages.codec import DecodeError, Decoder, GatewayInbox, encode
-from .messages.control import Drain, Heartbeat, Ready, Stop
+from .messages.control import Drain, Drained, Heartbeat, Ready, Stop
 
 NAME = "gateway"
 log = logging.getLogger(NAME)
@@ -70,7 +71,7 @@ async def serve(spec: GatewaySpec) -> int:
     mailbox = LoopSocket(inbox)
     supervisor.send(encode(Ready(actor=NAME, pid=os.getpid())))
     beat = loop.create_task(heartbeat(supervisor, spec.heartbeat_interval_s, parent))
-    read = loop.create_task(read_mailbox(mailbox, gateway))
+    read = loop.create_task(read_mailbox(mailbox, gateway, supervisor))
     try:
         done, _ = await asyncio.wait(
             [read, beat, gateway.task], return_when=asyncio.FIRST_COMPLETED
@@ -88,8 +89,9 @@ async def serve(spec: GatewaySpec) -> int:
         ctx.term()
 
 
-async def read_mailbox(mailbox: LoopSocket, gateway: HTTPGateway) -> None:
-    """Until Stop (or the supervisor goes away): Drain makes the gateway refuse new requests."""
+async def read_mailbox(mailbox: LoopSocket, gateway: HTTPGateway, supervisor: zmq.Socket) -> None:
+    """Until Stop (or the supervisor goes away): Drain makes the gateway refuse new requests,
+    and it says so (Drained), before the supervisor drains the Engine."""
     decoder = Decoder(GatewayInbox)
     while True:
         data = await mailbox.receive()
@@ -101,6 +103,7 @@ async def read_mailbox(mailbox: LoopSocket, gateway: HTTPGateway) -> None:
         if isinstance(message, Drain):
             log.info("draining: new requests get 503")
             gateway.refuse_new()
+            supervisor.send(encode(Drained(actor=NAME, pid=os.getpid())))
         elif isinstance(message, Stop):
             log.info("stopping%s", f": {message.reason}" if message.reason else "")
             return

@@ -21,6 +21,7 @@ protocol: Ready and Heartbeat to the supervisor's mailbox, Drain and Stop on the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -122,7 +123,9 @@ class Supervisor:
         self.children: dict[str, Child] = {}  # by name; started after the actors
         self.failure: str | None = None
         self.epoch = self.config.epoch
-        self._drained = asyncio.Event()
+        self._drained = asyncio.Event()  # the Engine's Drained
+        self._children_drained: set[str] = set()
+        self._child_drained = asyncio.Event()
         self._done = asyncio.Event()
         self._ready_changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -236,6 +239,9 @@ class Supervisor:
             self._ready_changed.set()
         elif isinstance(message, Drained) and message.actor == "engine":
             self._drained.set()
+        elif isinstance(message, Drained):  # a child refuses new requests from now on
+            self._children_drained.add(message.actor)
+            self._child_drained.set()
         elif isinstance(message, ActorError):
             actor.errors += 1
             log.warning("%s reported: %s", message.actor, message.message)
@@ -346,8 +352,7 @@ class Supervisor:
         engine = self.actors.get("engine")
         if engine is None or engine.process.poll() is not None:
             return False
-        for name in self.children:  # they refuse new requests first
-            self._send(name, Drain())
+        await self._drain_children()
         self._drained.clear()
         self._send("engine", Drain())
         try:
@@ -356,6 +361,25 @@ class Supervisor:
         except asyncio.TimeoutError:
             log.warning("drain: requests still live after %.0f s; stopping anyway", timeout_s)
             return False
+
+    async def _drain_children(self, timeout_s: float = 5.0) -> None:
+        """Have the children (the gateway) refuse new requests, and wait until each says so, so
+        that none reaches the Engine once it drains (a child that does not answer in time is
+        waited for no longer)."""
+        self._children_drained.clear()
+        for name in self.children:
+            self._send(name, Drain())
+        deadline = time.monotonic() + timeout_s
+        while not self._children_drained >= set(self.children):
+            self._child_drained.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning(
+                    "drain: no Drained from %s", set(self.children) - self._children_drained
+                )
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._child_drained.wait(), left)
 
     async def stop(self, reason: str = "shutdown") -> None:
         """Stop the actors in order (Engine first), each by Stop, then SIGKILL. (An actor takes
