@@ -82,14 +82,19 @@ class Server:
             self.proc.wait(60)
 
 
-def raw_send(address: str, frames: list[bytes], read_s: float = 2.0) -> int:
-    """Send frames on a fresh DEALER; the number of replies read within `read_s`."""
+def raw_send(address: str, frames: list[bytes], read_s: float = 2.0) -> str:
+    """Send frames on a fresh DEALER; how many replies came within `read_s` (or that the
+    Engine stopped taking them: its queue stayed full for 30 s)."""
     ctx = zmq.Context()
     socket = ctx.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address)
-    for frame in frames:
-        socket.send(frame, copy=False)
+    for i, frame in enumerate(frames):
+        if not socket.poll(30_000, zmq.POLLOUT):
+            socket.close()
+            ctx.term()
+            return f"stuck after {i} frames: not read"
+        socket.send(frame, zmq.NOBLOCK, copy=False)
     replies, deadline = 0, time.monotonic() + read_s
     while time.monotonic() < deadline:
         if socket.poll(100):
@@ -97,18 +102,18 @@ def raw_send(address: str, frames: list[bytes], read_s: float = 2.0) -> int:
             replies += 1
     socket.close()
     ctx.term()
-    return replies
+    return f"{replies} replies"
 
 
 def attacks(server: Server, flood: bool):
     nested = b"\x91" * 200_000 + b"\xc0"
-    yield "200 KB nested msgpack frame", lambda: f"{raw_send(server.address, [nested])} replies"
+    yield "200 KB nested msgpack frame", lambda: raw_send(server.address, [nested])
     big = {"prompt": "hi", "n": 64, "min_tokens": 64, "max_tokens": 64}
     body = json.dumps({**big, "stop_token_ids": [0] * 3_000_000}, separators=(",", ":"))
     yield "HTTP stop_token_ids x 3M, n=64", lambda: server.http(body.encode(), timeout=90)
     if flood:
-        yield "1M one-byte frames", lambda: f"{raw_send(server.address, [b'x'] * 1_000_000)} read"
-    yield "1 GB frame", lambda: f"{raw_send(server.address, [bytes(1 << 30)])} replies"
+        yield "1M one-byte frames", lambda: raw_send(server.address, [b"x"] * 1_000_000)
+    yield "1 GB frame", lambda: raw_send(server.address, [bytes(1 << 30)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 else "?"
             )
             rows.append((name, outcome[:40], took, alive, sdk, web, restarted))
+            print(rows[-1], file=sys.stderr, flush=True)
     finally:
         server.stop()
     print(f"\n{'attack':<34}{'answer':<42}{'took':>7}  serve  SDK  HTTP  restarted")
