@@ -173,19 +173,15 @@ def supervise_gateway(supervisor: Supervisor, http: argparse.Namespace, client: 
 
     sock = bind(http.host, http.port)
     port = sock.getsockname()[1]
-    addresses = supervisor.config.addresses
     spec = GatewaySpec(
+        config=supervisor.config,
         settings=gateway_settings(http, supervisor.config),
-        engine_address=supervisor.client_address,
-        supervisor_mailbox=addresses.mailbox("supervisor"),
-        mailbox=addresses.mailbox(NAME),
-        heartbeat_interval_s=supervisor.config.heartbeat_interval_s,
         listen_fd=sock.fileno(),
         host=http.host,
         port=port,
         client_options={k: _z85_text(v) for k, v in client.items()},
     )
-    path = os.path.join(addresses.run_dir, "gateway.json")
+    path = os.path.join(supervisor.config.addresses.run_dir, "gateway.json")
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         f.write(msgspec.json.encode(spec))
     supervisor.supervise(Child(NAME, "actorserve.gateway_process", [path], (sock.fileno(),)))

@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 import typing
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import msgspec
@@ -297,12 +298,17 @@ class Actor:
 
 
 def actor_main(actor_cls: type[Actor], config_json: str) -> None:
-    """Process entry: logging, signals, uvloop, run until stopped."""
+    """Process entry of an actor whose argument is its config as JSON."""
+    run_actor(lambda: actor_cls(EngineConfig.from_json(config_json)))
+
+
+def run_actor(make: Callable[[], Actor]) -> None:
+    """Process entry: logging, signals, uvloop, `make()` the actor and run it until stopped;
+    exit with its code."""
     configure_logging()
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the supervisor, which stops us
-    config = EngineConfig.from_json(config_json)
-    actor = actor_cls(config)
+    actor = make()
     try:
         import uvloop
 
