@@ -11,12 +11,15 @@ from pathlib import Path
 
 import msgspec
 
+from .model_config import ModelConfig
+
 ACTORS = ("worker", "block_manager", "scheduler", "engine")  # start order; stop is the reverse
 # The Worker's second mailbox, read by its forward thread alone: StepPlan and Reset from the
 # Scheduler (its first, "worker", is the event loop's: Stop).
 WORKER_STEPS = "worker_steps"
 PREEMPTION_MODES = ("recompute", "swap")
 VICTIM_POLICIES = ("fewest_computed", "last_admitted")
+GREEDY_HEAD_SCREENS = ("auto", "int8", "bf16", "off")
 
 
 class ModelFacts(msgspec.Struct, frozen=True):
@@ -30,8 +33,6 @@ class ModelFacts(msgspec.Struct, frozen=True):
     def read(cls, model_dir: str | Path) -> ModelFacts:
         """Parse the checkpoint's config (the Worker's parser: unsupported models fail here,
         before any process starts). max_position_embeddings is capped by a sliding window."""
-        from .worker.models.config import ModelConfig  # JSON and msgspec only, no torch
-
         config = ModelConfig.from_dir(model_dir)
         return cls(config.vocab_size, config.max_model_len, list(config.eos_token_ids))
 
@@ -75,6 +76,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
     attention_backend: str = "auto"
     torch_threads: int | None = None  # None: every core (only the Worker runs torch compute)
+    # The CPU fast path (kernels/cpu/: C kernels over the paged cache, packed weights, the fused
+    # decode stack and greedy heads); off: plain torch, the same tokens.
+    cpu_fast_path: bool = True
+    greedy_head_screen: str = "auto"  # auto | int8 | bf16 | off: the CPU greedy head's screen
+    transparent_huge_pages: bool = True  # advise THP on the large CPU weight copies
+    step_trace: str | None = None  # PATH: each step's clock times (scripts/bench_overhead.py)
     heartbeat_interval_s: float = 1.0
     ready_timeout_s: float = 180.0
     stop_timeout_s: float = 10.0
@@ -112,6 +119,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 "preemption_mode",
                 self.preemption_mode in PREEMPTION_MODES,
                 f"one of {PREEMPTION_MODES}",
+            ),
+            (
+                "greedy_head_screen",
+                self.greedy_head_screen in GREEDY_HEAD_SCREENS,
+                f"one of {GREEDY_HEAD_SCREENS}",
             ),
             (
                 "preemption_victim",

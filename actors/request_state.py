@@ -59,10 +59,7 @@ class Request:
         # asked, or already sent). Entry 0 (the first prompt token) is always None.
         wants = message.params.prompt_logprobs is not None and not message.output_token_ids
         self.prompt_logprobs: list | None = [None] if wants else None
-        stops = set(message.params.stop_token_ids)
-        if not message.params.ignore_eos:
-            stops.update(eos_token_ids)
-        self.stops = frozenset(stops)
+        self.stops = message.params.stop_token_set(eos_token_ids)
         final_only = message.params.output_kind is OutputKind.FINAL_ONLY
         self.holds_output = final_only and not message.params.stop  # the Engine checks stop
         self.unsent: RequestOutput | None = None  # output not sent to the Engine yet

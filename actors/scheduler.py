@@ -95,7 +95,7 @@ class Scheduler(Actor):
         self.counters = EngineStats()  # the Scheduler's counters (the BlockManager adds its own)
         self.victim_order = Request.victim_order(config.preemption_victim)  # sort key, last first
         self.last_flush = time.monotonic()  # when held final_only outputs last went out
-        self.trace = EventTrace(".scheduler")  # ACTORSERVE_STEP_TRACE (scripts/bench_overhead)
+        self.trace = EventTrace(config.step_trace, ".scheduler")
         self.schedule_queued = False  # see _schedule_after_inbox
 
     def _clear(self) -> None:

@@ -1,4 +1,4 @@
-"""ACTORSERVE_STEP_TRACE=PATH: clock times of each step, for scripts/bench_overhead.py.
+"""EngineConfig.step_trace = PATH: clock times of each step, for scripts/bench_overhead.py.
 
 Off by default (no file, no cost). The Worker records one JSON line per step to PATH with its
 phases (actors/worker/runner.py); the Scheduler one line per event of a step to PATH.scheduler:
@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import time
-
-ENV = "ACTORSERVE_STEP_TRACE"
 
 
 class StepTrace:
@@ -34,17 +31,16 @@ class StepTrace:
         self.records.clear()
 
 
-def open_trace(suffix: str = "") -> StepTrace | None:
-    """This process's trace, or None when tracing is off."""
-    path = os.environ.get(ENV)
+def open_trace(path: str | None, suffix: str = "") -> StepTrace | None:
+    """This process's trace (PATH + suffix), or None when tracing is off (no path)."""
     return StepTrace(path + suffix) if path else None
 
 
 class EventTrace:
     """One record per (step, event); `mark` costs a None check when tracing is off."""
 
-    def __init__(self, suffix: str):
-        self.trace = open_trace(suffix)
+    def __init__(self, path: str | None, suffix: str):
+        self.trace = open_trace(path, suffix)
 
     def mark(self, step_id: int, event: str) -> None:
         if self.trace is not None:

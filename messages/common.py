@@ -95,6 +95,13 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     output_kind: OutputKind = OutputKind.DELTA
     cache_salt: str | None = None
 
+    def stop_token_set(self, eos_token_ids: list[int]) -> frozenset[int]:
+        """The tokens that end a sample: stop_token_ids, and EOS unless ignore_eos (neither
+        counts before min_tokens)."""
+        if self.ignore_eos:
+            return frozenset(self.stop_token_ids)
+        return frozenset(self.stop_token_ids).union(eos_token_ids)
+
     def validate(self, vocab_size: int) -> str | None:
         """None when the params are acceptable, else a message naming the field and its limit."""
         if not 1 <= self.n <= MAX_N:

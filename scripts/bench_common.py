@@ -53,7 +53,7 @@ class ModelShape:
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape:
         """Through the Worker's own config.json parser (the one place that reads it)."""
-        from actorserve.actors.worker.models.config import ModelConfig
+        from actorserve.actors.model_config import ModelConfig
 
         c = ModelConfig.from_dir(Path(model_dir))
         return cls(

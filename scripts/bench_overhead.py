@@ -28,7 +28,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -53,7 +52,6 @@ def trace_steps(model_dir: Path, args, async_scheduling: bool = True):
     """One offline run with the actors tracing their steps -> (the Worker's step records, the
     Scheduler's step events, CPU rows by process)."""
     from actorserve import LLM, SamplingParams
-    from actorserve.actors.step_trace import ENV
 
     vocab = bc.ModelShape.read(model_dir).vocab
     workload = bc.make_workload(
@@ -61,24 +59,17 @@ def trace_steps(model_dir: Path, args, async_scheduling: bool = True):
     )
     with tempfile.TemporaryDirectory(prefix="actorserve-bench-") as tmp:
         trace = Path(tmp) / "steps.jsonl"
-        previous = os.environ.get(ENV)
-        os.environ[ENV] = str(trace)
-        try:
-            settings = dict(
-                torch_threads=args.threads,
-                max_num_seqs=args.num_requests,
-                async_scheduling=async_scheduling,
-            )
-            with LLM(str(model_dir), **settings) as llm:
-                params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-                before, start = bc.process_cpu_seconds(), time.perf_counter()
-                llm.generate([r.prompt_ids for r in workload], params, use_tqdm=not args.quiet)
-                after, wall = bc.process_cpu_seconds(), time.perf_counter() - start
-        finally:
-            if previous is None:
-                os.environ.pop(ENV, None)
-            else:
-                os.environ[ENV] = previous
+        settings = dict(
+            torch_threads=args.threads,
+            max_num_seqs=args.num_requests,
+            async_scheduling=async_scheduling,
+            step_trace=str(trace),
+        )
+        with LLM(str(model_dir), **settings) as llm:
+            params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+            before, start = bc.process_cpu_seconds(), time.perf_counter()
+            llm.generate([r.prompt_ids for r in workload], params, use_tqdm=not args.quiet)
+            after, wall = bc.process_cpu_seconds(), time.perf_counter() - start
         steps = read_jsonl(trace)
         events = read_jsonl(trace.with_name(trace.name + ".scheduler"))
     cpu = [

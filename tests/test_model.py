@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from actorserve.actors.model_config import ModelConfig, RopeScaling
 from actorserve.actors.worker.loader import load_model
-from actorserve.actors.worker.models.config import ModelConfig, RopeScaling
 from actorserve.actors.worker.models.llama import AttentionMetadata, CausalLM, Projection
 from actorserve.checkpoints import ensure_checkpoint
 from actorserve.kernels import attention_ops, native

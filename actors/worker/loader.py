@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from actorserve.kernels import AttentionOps
 
-from .models.config import ModelConfig
+from ..model_config import ModelConfig
 from .models.llama import CausalLM
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

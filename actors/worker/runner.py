@@ -78,7 +78,7 @@ class ModelRunner:
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None  # step inputs, KV swaps
         self.compute_stream = torch.cuda.Stream(device) if cuda else None
-        self.trace = open_trace()  # a record per step with its phases' clock times
+        self.trace = open_trace(config.step_trace)  # a record per step with its phases' clock times
 
     def apply(self, plan: StepPlan) -> list[tuple[str, int]]:
         """Update the persistent batch; return the step's (request id, tokens to compute)."""
@@ -97,9 +97,7 @@ class ModelRunner:
         for new in plan.new:
             self.forget(new.request_id)  # re-sent after a preemption: a fresh start
             self.decodes = None
-            stops = list(new.params.stop_token_ids)
-            if not new.params.ignore_eos:
-                stops += self.eos_token_ids
+            stops = sorted(new.params.stop_token_set(self.eos_token_ids))
             row = self.block_tables.take_row()
             self.block_tables.write(row, 0, new.block_ids)
             token_ids = list(new.token_ids)

@@ -23,7 +23,7 @@ from actorserve.kernels.elementwise import rms_norm, rope, silu_mul
 from actorserve.kernels.screened_head import ScreenedGreedyHead, ScreenedHead
 from actorserve.kernels.screened_head_int8 import Int8ScreenedHead
 
-from .config import ModelConfig, RopeScaling
+from ...model_config import ModelConfig, RopeScaling
 
 PACK_ROWS = 64  # oneDNN's packing hint for the LM head: a step's sampling rows
 PANEL_ROWS = 128  # at most this many rows, a projection uses its packed panels (CPU)
