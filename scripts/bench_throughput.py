@@ -140,9 +140,9 @@ def run_hf_cb(model_dir: Path, workload: list[bc.Request], args) -> dict:
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     # The manager computes on a thread of its own. Load with one thread, so that this main thread
-    # never starts an OpenMP team of its own (two teams of 2 threads on 2 cores make libgomp stop
-    # spin-waiting, which slows every op of the generation thread); the generation thread then
-    # picks up `threads`.
+    # never starts an OpenMP team of its own (two teams whose threads outnumber the cores make
+    # libgomp stop spin-waiting, which slows every op of the generation thread); the generation
+    # thread then picks up `threads`.
     model = _hf_model(model_dir, 1)
     torch.set_num_threads(args.threads)
     max_out = max(r.output_len for r in workload)
