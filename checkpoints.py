@@ -15,9 +15,9 @@ attention scores and MLP outputs are O(1) and every layer matters; norm weights 
 of standard deviation `logit_std` (8 untied: a clear favourite at most positions, not a certain
 one). Greedy decoding's gap between the top two logits is then orders of magnitude above fp32
 op-order noise (the difference of fp32 and fp64 logits) at nearly every position, so two fp32
-implementations agree token for token over hundreds of positions. Tied embeddings (tiny-llama) feed the input token straight back
-into its own logit, which makes greedy text loop on a few tokens; `residual_gain` 3 on o_proj and
-down_proj lets the layers outweigh it.
+implementations agree token for token over hundreds of positions. Tied embeddings (tiny-llama)
+feed the input token straight back into its own logit, which makes greedy text loop on a few
+tokens; `residual_gain` 3 on o_proj and down_proj lets the layers outweigh it.
 """
 
 from __future__ import annotations
