@@ -4,9 +4,10 @@ Decoding tokens one at a time breaks multi-byte characters and drops context (a 
 depend on the previous token). Both ways below start from the prompt's last tokens as context
 and emit only the text the new tokens complete:
 
-- a fast tokenizer (a Rust `tokenizers` backend) uses its `DecodeStream`, ~1 us a token;
+- a fast tokenizer (a Rust `tokenizers` backend) uses its `DecodeStream`, which keeps that state
+  in Rust: one call a token;
 - any other decodes a short window, `prefix` tokens already emitted then the new ones, and emits
-  the text past the prefix's, holding back while it ends in U+FFFD (~5 us a token, two decodes).
+  the text past the prefix's, holding back while it ends in U+FFFD (two decodes a token).
 """
 
 from __future__ import annotations

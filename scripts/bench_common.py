@@ -1,5 +1,6 @@
 """What the benchmark scripts share, one place for each: checkpoints, the seeded workload, the
-matmul-work count, the fp32 GEMM roofline, percentiles, the printed table and its --json file.
+machine (its line in every table, its GEMM peak and memory read speed, the processes' CPU time),
+percentiles, the printed table and its --json file. The fp32 floor is in fp32_floor.py.
 
 Every script imports this module as `bench_common` (scripts/ is put on sys.path by the script
 itself), so `python scripts/bench_X.py` and `actorserve bench X` behave the same.
@@ -52,7 +53,7 @@ class ModelShape:
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape:
-        """Through the Worker's own config.json parser (the one place that reads it)."""
+        """Through actorserve's own config.json parser (the one place that reads it)."""
         from actorserve.actors.model_config import ModelConfig
 
         c = ModelConfig.from_dir(Path(model_dir))
@@ -125,68 +126,35 @@ def make_workload(
     return requests
 
 
-def matmul_flops(shape: ModelShape, workload: list[Request]) -> float:
-    """The workload's useful matmul work: 2 x decoder-layer params for every token that goes
-    through the decoder (every prompt token and every sampled token but each request's last),
-    plus 2 x lm_head params for every sampled token. Attention and the embedding are left out."""
-    decoder_tokens = sum(len(r.prompt_ids) + r.output_len - 1 for r in workload)
-    sampled = sum(r.output_len for r in workload)
-    return 2.0 * shape.layer_matmul_params * decoder_tokens + 2.0 * shape.lm_head_params * sampled
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    """--seed and the prompt and output length ranges (make_workload's defaults)."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-prompt-len", type=int, default=16)
+    parser.add_argument("--max-prompt-len", type=int, default=512)
+    parser.add_argument("--min-output-len", type=int, default=16)
+    parser.add_argument("--max-output-len", type=int, default=256)
 
 
-@dataclass(frozen=True)
-class Floor:
-    """The least time an engine with fp32 weights and K/V can take on a workload, given the
-    machine's GEMM peak and memory read bandwidth (a lower bound on any engine, not a model of
-    actorserve's). Parts, each in seconds:
-
-    prefill_s     every prompt token's matmul work, and each request's first lm_head row, at the
-                  GEMM peak (prefill reads each weight once per thousands of tokens)
-    gemm_s        decode step k = 1 .. longest output - 1, every request still generating in one
-                  batch (the schedule that reads the weights the fewest times): the step's matmul
-                  work at the peak or its weights (decoder layers + lm_head) at the read
-                  bandwidth, whichever is longer (the weights stream in while the GEMMs run)
-    kv_s          each decode step's K and V of every row (prompt + k tokens, all layers), read
-                  once at the read bandwidth; attention's own FLOPs are left out
-    overlapped_s  prefill_s + each decode step's matmul work at the peak or all its bytes
-                  (weights and K/V) at the read bandwidth, whichever is longer: K/V reads hidden
-                  under the GEMMs, the bound no schedule can beat
-    """
-
-    prefill_s: float
-    gemm_s: float
-    kv_s: float
-    overlapped_s: float
-
-    @property
-    def serial_s(self) -> float:
-        """K/V read after the step's GEMMs (a layer's attention needs its projections, the next
-        projection its output)."""
-        return self.prefill_s + self.gemm_s + self.kv_s
+def workload_from_flags(
+    args: argparse.Namespace, num_requests: int, vocab: int, seed: int | None = None
+) -> list[Request]:
+    """make_workload with add_workload_flags' ranges; `seed` (default --seed) picks the draw."""
+    prompt_len = (args.min_prompt_len, args.max_prompt_len)
+    output_len = (args.min_output_len, args.max_output_len)
+    return make_workload(
+        num_requests, args.seed if seed is None else seed, prompt_len, output_len, vocab
+    )
 
 
-def fp32_floor(
-    shape: ModelShape, workload: list[Request], peak_flop_s: float, read_bytes_s: float
-) -> Floor:
-    """The workload's Floor (see there) on this machine's measured peak and read bandwidth."""
-    weight_bytes = 4.0 * (shape.layer_matmul_params + shape.lm_head_params)
-    decode_row_flops = 2.0 * (shape.layer_matmul_params + shape.lm_head_params)
-    prefill_s = sum(
-        2.0 * shape.layer_matmul_params * len(r.prompt_ids) + 2.0 * shape.lm_head_params
-        for r in workload
-    ) / peak_flop_s
-    gemm_s = kv_s = overlapped_s = 0.0
-    for k in range(1, max((r.output_len for r in workload), default=0)):
-        contexts = [len(r.prompt_ids) + k for r in workload if r.output_len > k]
-        compute_s = decode_row_flops * len(contexts) / peak_flop_s
-        kv_bytes = shape.kv_bytes_per_token * sum(contexts)
-        gemm_s += max(compute_s, weight_bytes / read_bytes_s)
-        kv_s += kv_bytes / read_bytes_s
-        overlapped_s += max(compute_s, (weight_bytes + kv_bytes) / read_bytes_s)
-    return Floor(prefill_s, gemm_s, kv_s, prefill_s + overlapped_s)
+def workload_lengths(args: argparse.Namespace) -> str:
+    """add_workload_flags' ranges as the tables' notes say them."""
+    return (
+        f"random token-id prompts of {args.min_prompt_len}-{args.max_prompt_len} tokens, "
+        f"outputs of {args.min_output_len}-{args.max_output_len} tokens, ignore_eos"
+    )
 
 
-# -- machine and roofline ---------------------------------------------------------------------
+# -- the machine ------------------------------------------------------------------------------
 
 
 def cpu_name() -> str:
@@ -275,9 +243,10 @@ def measure_gemm_flops(
 
 def streaming_read_gb_s(num_bytes: int, threads: int | None = None, slices: int = 4) -> float:
     """What a read of `num_bytes` of float32 from memory can reach, GB/s: the best of 8 passes
-    each of a sum and of a dot product with itself (torch's sum alone stays ~10% below what the
-    dot reaches here), each pass over the next of `slices` such buffers, so that the others went
-    through the caches since it was last read; with `threads` torch threads (default: as set)."""
+    each of a sum and of a dot product with itself (which of torch's two kernels streams closer
+    to the memory's speed depends on the CPU), each pass over the next of `slices` such buffers,
+    so that the others went through the caches since it was last read; with `threads` torch
+    threads (default: as set)."""
     import torch
 
     previous = torch.get_num_threads()

@@ -4,16 +4,16 @@
 
 1. Step breakdown, on the real actor processes: the offline API runs `--num-requests` requests
    (random-token prompts of 16-512 tokens, `--output-len` tokens each, ignore_eos) with the
-   Worker tracing its steps (ACTORSERVE_STEP_TRACE, actors/worker/runner.py). Over the decode
+   Worker tracing its steps (EngineConfig.step_trace, actors/step_trace.py). Over the decode
    steps that run all `--num-requests` requests, each step's period (one step start to the next)
    is split into: decoder forward and lm_head (the model; with every row greedy, the LM head
    picks the tokens itself, kernels/cpu_panel_gemm.c, so the argmax is in that row), input
    preparation (applying the StepPlan to the persistent batch, flat inputs), sampling and
-   bookkeeping, and the time outside
-   the Worker's step (StepResult out, the Scheduler's stop checks and TokensOut, the next plan,
-   the BlockManager round trip, StepPlan in: scheduling, block allocation, messages).
-   The run is made `--repeat` times (default 3): this VM's speed drifts between runs, so the
-   table is the run of median non-model share, and every run's share is printed with it.
+   bookkeeping, and the time outside the Worker's step (StepResult out, the Scheduler's stop
+   checks and TokensOut, the next plan, the BlockManager round trip, StepPlan in: scheduling,
+   block allocation, messages). The run is made `--repeat` times (default 3): a shared or
+   virtual machine's speed drifts between runs, so the table is the run of median non-model
+   share, and every run's share is printed with it.
    Then the same run again without async scheduling, where the Worker waits for every hop of
    the control loop between two steps, split hop by hop from the Worker's and the Scheduler's
    traces: StepResult message, the Scheduler (stop checks, outputs, the next StepPlan), the
@@ -245,6 +245,8 @@ CPU_COLUMNS = [
     bc.Column("cpu_s", "CPU s", "{:.2f}"),
     bc.Column("cores", "cores busy (CPU s / wall s)", "{:.2f}"),
 ]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="bench_overhead", description=__doc__.splitlines()[0])

@@ -3,8 +3,8 @@ one run, one machine.
 
     python scripts/bench_throughput.py [--model demo llama-125m] [--num-requests N] [--json PATH]
 
-Default: both checkpoints, 64 requests on the demo one and 8 on llama-125m (~30x the work per
-token), all three backends; ~5 minutes on 2 quiet cores.
+Default: both checkpoints, 64 requests on the demo one and 8 on llama-125m (27 times the decoder
+layers' matmul work per token), all three backends.
 
 The workload is nano-vllm's bench (bench_common.make_workload): random token-id prompts of 16-512
 tokens and outputs of 16-256 tokens, ignore_eos, greedy. It runs
@@ -18,9 +18,9 @@ tokens and outputs of 16-256 tokens, ignore_eos, greedy. It runs
 
 each in a fresh Python process (the workload is rebuilt there from the seed), and prints wall
 time, output and total tokens/s, actorserve's speed-up over each, and the fraction
-of the fp32 GEMM roofline: the workload's matmul work (bench_common.matmul_flops) / wall time /
+of the fp32 GEMM roofline: the workload's matmul work (fp32_floor.matmul_flops) / wall time /
 the best torch.mm FLOP/s measured on the model's own shapes in this run, same thread count;
-and how close each comes to the fp32 floor (bench_common.Floor): the least time any engine with
+and how close each comes to the fp32 floor (fp32_floor.Floor): the least time any engine with
 fp32 weights and K/V could take on the workload at that GEMM peak and at the memory read speed
 measured in the run, which bounds the roofline fraction an fp32 engine can reach here.
 """
@@ -40,10 +40,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc  # noqa: E402
+from fp32_floor import fp32_floor, matmul_flops  # noqa: E402
 
 BACKENDS = ("actorserve", "hf-static", "hf-cb")
-# The 125M checkpoint is ~30x the matmul work per token: fewer requests keep the default run (both
-# checkpoints, all three backends) under ~10 minutes on 2 cores.
+# The 125M checkpoint does many times the matmul work per token: fewer requests keep the default
+# run (both checkpoints, all three backends) short enough for a small machine.
 DEFAULT_REQUESTS = {"demo": 64, "llama-125m": 8}
 READ_PROBE_BYTES = 64 << 20  # the order of a 64-decode step's K/V on the demo checkpoint
 
@@ -139,9 +140,9 @@ def run_hf_cb(model_dir: Path, workload: list[bc.Request], args) -> dict:
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     # The manager computes on a thread of its own. Load with one thread, so that this main thread
-    # never starts an OpenMP team of its own (two teams of 2 threads on 2 cores make libgomp stop
-    # spin-waiting, which slows every op of the generation thread); the generation thread then
-    # picks up `threads`.
+    # never starts an OpenMP team of its own (two teams whose threads outnumber the cores make
+    # libgomp stop spin-waiting, which slows every op of the generation thread); the generation
+    # thread then picks up `threads`.
     model = _hf_model(model_dir, 1)
     torch.set_num_threads(args.threads)
     max_out = max(r.output_len for r in workload)
@@ -189,13 +190,6 @@ RUNNERS = {"actorserve": run_actorserve, "hf-static": run_hf_static, "hf-cb": ru
 CHILD_FLAG = "--child-result"  # internal: run one backend in this process, write its result
 
 
-def make_workload(args, num_requests: int, vocab: int) -> list[bc.Request]:
-    """The run's workload from its flags (the parent and each child build the same one)."""
-    prompt_lens = (args.min_prompt_len, args.max_prompt_len)
-    output_lens = (args.min_output_len, args.max_output_len)
-    return bc.make_workload(num_requests, args.seed, prompt_lens, output_lens, vocab)
-
-
 def run_isolated(backend: str, name: str, num_requests: int, args) -> dict:
     """Run one backend in a fresh Python process (its own threads, allocator and OpenMP teams,
     nothing left over from the runs before it); the same workload is rebuilt there from the
@@ -228,11 +222,11 @@ def bench_model(name: str, args) -> list[dict]:
     model_dir = bc.resolve_model(name)
     shape = bc.ModelShape.read(model_dir)
     n = args.num_requests or DEFAULT_REQUESTS.get(bc.model_label(name), 64)
-    workload = make_workload(args, n, shape.vocab)
+    workload = bc.workload_from_flags(args, n, shape.vocab)
     gemm = bc.measure_gemm_flops(shape.gemm_shapes(), args.threads)
     read_gb_s = bc.streaming_read_gb_s(READ_PROBE_BYTES, args.threads)
-    floor = bc.fp32_floor(shape, workload, gemm["peak"], read_gb_s * 1e9)
-    work = bc.matmul_flops(shape, workload)
+    floor = fp32_floor(shape, workload, gemm["peak"], read_gb_s * 1e9)
+    work = matmul_flops(shape, workload)
     prompt_tokens = sum(len(r.prompt_ids) for r in workload)
     print(
         f"{bc.model_label(name)}: {n} requests, {prompt_tokens} prompt + "
@@ -311,11 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"default {DEFAULT_REQUESTS['demo']} (llama-125m: {DEFAULT_REQUESTS['llama-125m']})",
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--min-prompt-len", type=int, default=16)
-    parser.add_argument("--max-prompt-len", type=int, default=512)
-    parser.add_argument("--min-output-len", type=int, default=16)
-    parser.add_argument("--max-output-len", type=int, default=256)
+    bc.add_workload_flags(parser)
     parser.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated")
     parser.add_argument("--hf-batch-size", type=int, default=16)
@@ -347,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child_result:  # one backend, one model, in this (fresh) process
         model_dir = bc.resolve_model(args.model[0])
         shape = bc.ModelShape.read(model_dir)
-        workload = make_workload(args, args.num_requests, shape.vocab)
+        # the parent and each child build the same workload from the flags
+        workload = bc.workload_from_flags(args, args.num_requests, shape.vocab)
         result = RUNNERS[args.backends.split(",")[0]](model_dir, workload, args)
         Path(args.child_result).write_text(json.dumps(result))
         return 0
@@ -362,9 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     notes = [
         "",
         f"Machine: {machine}; load after the run {bc.load_average():.2f}.",
-        "Workload: nano-vllm style, seed "
-        f"{args.seed}, random token-id prompts of {args.min_prompt_len}-{args.max_prompt_len} "
-        f"tokens, outputs of {args.min_output_len}-{args.max_output_len} tokens, ignore_eos, "
+        f"Workload: nano-vllm style, seed {args.seed}, {bc.workload_lengths(args)}, "
         f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}; "
         "wall time from submitting the first request to the last token (start-up and warm-up "
         "excluded).",
@@ -373,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "matmul GFLOP = 2 x decoder-layer params x (prompt tokens + output tokens - 1 per "
         "request) + 2 x lm_head params x output tokens (attention and embedding left out); "
         "roofline = the best fp32 torch.mm FLOP/s on the model's shapes, measured in the run.",
-        "floor / wall = the fp32 floor's time (bench_common.Floor: matmul work at that peak, "
+        "floor / wall = the fp32 floor's time (fp32_floor.Floor: matmul work at that peak, "
         "weights and K/V at the memory read speed measured in the run, K/V after the GEMMs) "
         "/ the row's wall time: the share of the best any fp32 engine can do here.",
         "actorserve x = actorserve's output tok/s / the row's; same tokens = requests whose "

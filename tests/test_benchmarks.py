@@ -14,6 +14,7 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import bench_common as bc  # noqa: E402
+from fp32_floor import fp32_floor, matmul_flops  # noqa: E402
 
 SHAPE = bc.ModelShape(
     hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=50
@@ -94,9 +95,9 @@ def test_bench_overhead_splits_the_step_and_the_wait_between_steps_hop_by_hop(ll
 
 def test_the_fp32_floor_with_free_memory_reads_is_the_matmul_work_at_the_peak():
     workload = bc.make_workload(5, seed=1, prompt_len=(3, 9), output_len=(1, 6), vocab_size=50)
-    floor = bc.fp32_floor(SHAPE, workload, peak_flop_s=1e6, read_bytes_s=math.inf)
+    floor = fp32_floor(SHAPE, workload, peak_flop_s=1e6, read_bytes_s=math.inf)
     assert floor.kv_s == 0
-    assert floor.serial_s == pytest.approx(bc.matmul_flops(SHAPE, workload) / 1e6)
+    assert floor.serial_s == pytest.approx(matmul_flops(SHAPE, workload) / 1e6)
     assert floor.overlapped_s == pytest.approx(floor.serial_s)
 
 
@@ -105,7 +106,7 @@ def test_the_fp32_floor_of_one_request_reads_the_weights_and_its_kv_at_every_dec
     weights = 4 * (SHAPE.layer_matmul_params + SHAPE.lm_head_params)
     kv_per_token = 2 * 2 * 1 * 4 * 4  # layers x (K, V) x kv heads x head_dim x fp32
     assert SHAPE.kv_bytes_per_token == kv_per_token
-    floor = bc.fp32_floor(SHAPE, [request], peak_flop_s=math.inf, read_bytes_s=1e3)
+    floor = fp32_floor(SHAPE, [request], peak_flop_s=math.inf, read_bytes_s=1e3)
     assert floor.prefill_s == 0
     assert floor.gemm_s == pytest.approx(2 * weights / 1e3)
     assert floor.kv_s == pytest.approx(kv_per_token * (11 + 12) / 1e3)

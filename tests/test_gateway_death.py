@@ -69,8 +69,10 @@ def test_a_killed_gateway_gives_clean_errors_comes_back_and_leaks_nothing(llama_
         stats = server.wait_blocks_free()
         assert stats.blocks_free == stats.blocks_total
         wait_until(
-            lambda: actor(server, "gateway").pid != gateway.pid
-            and actor(server, "gateway").state == "ready",
+            lambda: (
+                actor(server, "gateway").pid != gateway.pid
+                and actor(server, "gateway").state == "ready"
+            ),
             30,
             "a new gateway",
         )
