@@ -68,6 +68,7 @@ class CheckpointSpec:
     logit_std: float = 8.0
     residual_gain: float = 1.0
     description: str = ""
+    dtype: str = "float32"  # on disk; released checkpoints ship bfloat16
 
 
 def _spec(
@@ -77,6 +78,7 @@ def _spec(
     *,
     logit_std: float = 8.0,
     residual_gain: float = 1.0,
+    dtype: str = "float32",
     **config: Any,
 ) -> CheckpointSpec:
     base = dict(
@@ -90,7 +92,7 @@ def _spec(
         eos_token_id=SPECIAL_TOKENS.index(EOS),
     )
     return CheckpointSpec(
-        model_type, {**base, **config}, seed, logit_std, residual_gain, description
+        model_type, {**base, **config}, seed, logit_std, residual_gain, description, dtype
     )
 
 
@@ -130,6 +132,11 @@ KINDS: dict[str, CheckpointSpec] = {
         "llama", 7, "Llama, ~134M params (benchmarks)",
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
         num_attention_heads=12, num_key_value_heads=12, head_dim=64,
+    ),
+    "llama-350m": _spec(
+        "llama", 8, "Llama, ~350M params, bf16 on disk as released checkpoints ship (benchmarks)",
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=64, dtype="bfloat16",
     ),
 }  # fmt: skip
 
@@ -263,7 +270,8 @@ def _build_model(spec: CheckpointSpec, tokenizer_dir: Path, out: Path) -> None:
     logging.disable_progress_bar()
     config = AutoConfig.for_model(spec.model_type, **spec.config)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    init_weights(model, spec)
+    init_weights(model, spec)  # in fp32, so every dtype on disk rounds the same draws
+    model.to(getattr(torch, spec.dtype))
     model.generation_config = GenerationConfig(
         bos_token_id=spec.config["bos_token_id"], eos_token_id=spec.config["eos_token_id"]
     )
