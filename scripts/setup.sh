@@ -19,4 +19,4 @@ fi
 if ! command -v cc >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     apt-get update -qq && apt-get install -y -qq gcc >/dev/null
 fi
-python -c "from actorserve.kernels import native; native.load() or print('no C kernels: torch fallback')"
+python -c "from actorserve.kernels.cpu import bindings; bindings.load() or print('no C kernels: plain torch')"
