@@ -68,10 +68,12 @@ class CpuFastPath:
         step streams."""
         return huge_pages.zeros(shape, dtype, self.huge)
 
-    def prepare(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    def prepare(
+        self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> None:
         """Lay out and pack `model`'s weights for the CPU (the module docstring) and pack the
-        decode stack over `kv_caches` where it serves. A model not in fp32 on the CPU keeps its
-        weights; its steps then run through it as they are."""
+        decode stack over `kv_caches` where it serves (None: no decode stack). A model not in
+        fp32 on the CPU keeps its weights' values; its steps then run through it as they are."""
         self._model = model
         for module in model.modules():
             if isinstance(module, nn.Linear):
@@ -81,7 +83,8 @@ class CpuFastPath:
         if weight.device.type == "cpu" and weight.dtype == torch.float32:
             self._greedy_head = lm_head.greedy_head(weight, self.screen, self.huge)
             self._packed_lm_head = lm_head.packed_logits_weight(weight)
-        self._pack_decode_stack(model, kv_caches)
+        if kv_caches is not None:
+            self._pack_decode_stack(model, kv_caches)
 
     def _pack_projections(self, model: nn.Module) -> None:
         """Each decoder layer's bias-free fp32 Linear -> a PackedLinear sharing its weight."""
@@ -139,6 +142,11 @@ class CpuFastPath:
             return False
         self._stack_caches = kv_caches
         return True
+
+    @property
+    def greedy_head(self):
+        """The greedy head `prepare` chose (lm_head.greedy_head), or None where none serves."""
+        return self._greedy_head
 
     @property
     def serves_decode_stack(self) -> bool:
