@@ -112,8 +112,7 @@ class Worker(Actor):
         # Every torch computation of this process runs on the one "forward" thread, the loading
         # included. Were the event loop's thread to run OpenMP work too, it would keep an OpenMP
         # team of its own; with more OpenMP threads than cores, libgomp stops spin-waiting between
-        # parallel regions, and every op then pays a futex wake-up (decode steps measured ~25%
-        # slower on 2 cores).
+        # parallel regions, and every op then pays a futex wake-up.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self.loop = asyncio.get_running_loop()
         await self.loop.run_in_executor(self.executor, self._build)

@@ -11,7 +11,7 @@ Exactness. Each column j keeps a scale s_j and int8 values q_j, with r_j boundin
 w_j - s_j q_j and m_j that of s_j q_j, both computed in fp64 and rounded up; each row gets its
 own int8 copy and residual norm in the kernel. Together they bound how far the exact head's fp32
 logit can lie from the integer product's scaled value (the derivation is in
-kernels/cpu_screen_int8.c), with no assumption about any library's arithmetic; the candidates
+csrc/cpu_screen_int8.c), with no assumption about any library's arithmetic; the candidates
 are computed exactly and the first maximum taken, as the bf16 screen does. On the demo
 checkpoint a handful of columns a row survive. A row it cannot settle (a value not finite or
 outside [2^-60, 2^60], or too many candidates) goes to the exact head.
