@@ -145,8 +145,10 @@ class ModelRunner:
         """Flat inputs for the step, vectorized over requests (numpy), one request after another;
         a step of decodes alone through the fast path where it serves (_decode_inputs)."""
         last, self.decodes = self.decodes, None  # kept again only once this step is done
-        if self.fast_path is not None and all(count == 1 for _, count in scheduled):
-            return self._decode_inputs(scheduled, last)
+        if self.fast_path is not None:
+            inputs = self._decode_inputs(scheduled, last)
+            if inputs is not None:
+                return inputs
         bs = self.block_size
         n = len(scheduled)
         reqs = [self.requests[rid] for rid, _ in scheduled]
@@ -198,18 +200,20 @@ class ModelRunner:
             sample_rows, reqs, sample_reqs,
         )  # fmt: skip
 
-    def _decode_inputs(self, scheduled, last: DecodeBatch | None) -> StepInputs:
+    def _decode_inputs(self, scheduled, last: DecodeBatch | None) -> StepInputs | None:
         """prepare() for one token per request, through the fast path: the numbers in C
         (kernels/cpu/csrc/cpu_step_inputs.c: one call where numpy makes a dozen, each slow on
         the caches the last step streamed through), from the last step's (DecodeBatch) when it
-        decoded the same requests."""
+        decoded the same requests; None for a step that is not decodes alone."""
         table = self.block_tables.table
         if last is not None and scheduled == last.scheduled:
             last.grew(self.grown)
             batch = last
-        else:
+        elif all(count == 1 for _, count in scheduled):
             reqs = [self.requests[rid] for rid, _ in scheduled]
             batch = DecodeBatch.of(scheduled, reqs, table.shape[1], self.fast_path)
+        else:
+            return None
         if table.shape[1] > batch.inputs.columns:  # the block tables grew a column
             batch.inputs = self.fast_path.decode_inputs(batch.numbers, table.shape[1])
         inputs = batch.inputs
