@@ -1,9 +1,9 @@
 """Paged attention and KV store behind one dispatch point: Triton on CUDA, torch on CPU.
 
-Backends: `triton` (kernels/paged_attention.py, store_kv.py), `cpu` (kernels/cpu.py: a C decode
-kernel and torch's fused CPU attention over the paged cache, the serving path on CPU), `reference`
-(kernels/reference.py: the plain torch oracle the others are tested against). `auto`: triton on
-CUDA, cpu elsewhere.
+Backends: `triton` (kernels/paged_attention.py, store_kv.py), `cpu` (kernels/cpu/attention.py: C
+kernels over the paged cache, torch's fused CPU attention where they cannot serve; the CPU fast
+path's), `reference` (kernels/reference.py: the plain torch oracle the others are tested against).
+`auto`: triton on CUDA; on the CPU, cpu with the fast path's C kernels, reference without them.
 """
 
 from __future__ import annotations
@@ -27,17 +27,25 @@ class AttentionOps(NamedTuple):
 BACKENDS = ("auto", "cpu", "reference", "triton")
 
 
-def attention_ops(device: torch.device | str, backend: str = "auto") -> AttentionOps:
-    """Pick the kernels: `auto` is Triton on CUDA and the fused torch path (`cpu`) elsewhere."""
+def attention_ops(
+    device: torch.device | str, backend: str = "auto", c_kernels: bool = True
+) -> AttentionOps:
+    """Pick the kernels: `auto` is Triton on CUDA; on the CPU the `cpu` backend where the C
+    kernels may serve (`c_kernels`: the CPU fast path is on), else the reference. An explicit
+    `cpu` without `c_kernels` runs its torch paths."""
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
     device = torch.device(device)
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "cpu"
+        backend = "triton" if device.type == "cuda" else "cpu" if c_kernels else "reference"
     if backend == "cpu":
-        from . import cpu
+        from .cpu import attention
 
-        return AttentionOps("cpu", cpu.store_kv, cpu.CpuAttention().paged_attention)
+        if not c_kernels:
+            return AttentionOps(
+                "cpu", reference.store_kv, attention.CpuAttention(False).paged_attention
+            )
+        return AttentionOps("cpu", attention.store_kv, attention.CpuAttention().paged_attention)
     if backend == "reference":
         return AttentionOps("reference", reference.store_kv, reference.paged_attention)
     from . import paged_attention, store_kv  # Triton imports only where they are used

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import math
 import os
 import sys
-import time
 
 BLOCK_SIZE = 16
 NUM_Q_HEADS = 32
@@ -43,8 +41,6 @@ QUICK_PREFILL = ((1, 4096), (4, 2048), (16, 1024), (1, 16384))
 GOAL_DECODE_CASE = (64, 4096)
 GOAL_DECODE_PCT = 70.0
 GOAL_PREFILL_RATIO = 0.60
-# Largest dynamic shared memory per block, by sm_ arch (bytes).
-SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 
 # --- GPU benchmark ----------------------------------------------------------------------------
@@ -321,76 +317,20 @@ def run_benchmark(args) -> int:
 # --- compile-only ---------------------------------------------------------------------------
 
 
-def _compile(
-    kernel,
-    pointer_types: dict[str, str],
-    constexprs: dict,
-    arch: int,
-    num_warps: int,
-    num_stages: int,
-):
-    """Ahead-of-time compile one @triton.jit kernel for cuda sm_<arch>; returns the kernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = list(inspect.signature(kernel.fn).parameters)
-    signature, attrs = {}, {}
-    for i, name in enumerate(names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = pointer_types.get(name, "*i32")
-            attrs[(i,)] = [["tt.divisibility", 16]]  # what the launcher sees for torch tensors
-        elif name == "qk_scale":
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            if name.startswith("stride_"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(
-        source,
-        target=GPUTarget("cuda", arch, 32),
-        options=dict(num_warps=num_warps, num_stages=num_stages),
-    )
-
-
 def _compile_cases(quick: bool):
     """(label, dtype, head_dim, Hq, Hkv, block_size, T, B, max_blocks) the bench and tests hit."""
     cases = []
     for kind, batch, context in _grid(quick):
         tokens = batch if kind == "decode" else batch * context
-        cases.append(
-            (
-                f"bench {kind} {batch}x{context}",
-                "bf16",
-                HEAD_DIM,
-                NUM_Q_HEADS,
-                NUM_KV_HEADS,
-                BLOCK_SIZE,
-                tokens,
-                batch,
-                math.ceil(context / BLOCK_SIZE),
-            )
-        )
+        blocks = math.ceil(context / BLOCK_SIZE)
+        shape = (HEAD_DIM, NUM_Q_HEADS, NUM_KV_HEADS, BLOCK_SIZE, tokens, batch, blocks)
+        cases.append((f"bench {kind} {batch}x{context}", "bf16", *shape))
     for dtype in ("fp16", "fp32"):
         for head_dim in (64, 80, 96, 128):
             for group in (1, 8):
                 for tokens in (4, 4096):  # 4 decodes; 4 prefills of 1024
-                    cases.append(
-                        (
-                            f"{dtype} D{head_dim} G{group} T{tokens}",
-                            dtype,
-                            head_dim,
-                            2 * group,
-                            2,
-                            BLOCK_SIZE,
-                            tokens,
-                            4,
-                            64,
-                        )
-                    )
+                    shape = (head_dim, 2 * group, 2, BLOCK_SIZE, tokens, 4, 64)
+                    cases.append((f"{dtype} D{head_dim} G{group} T{tokens}", dtype, *shape))
             if quick:
                 break
     for tokens in (4, 4096):
@@ -403,99 +343,13 @@ def _compile_cases(quick: bool):
 
 
 def run_compile_only(args) -> int:
+    """Every kernel configuration of the benchmark grid and the test shapes, compiled for
+    --arch (scripts/compile_kernels.py)."""
     os.environ.pop("TRITON_INTERPRET", None)  # before any @triton.jit runs
-    import torch
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import compile_kernels
 
-    from actorserve.kernels import paged_attention as attention
-    from actorserve.kernels import store_kv as store
-
-    torch_dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    limit = SHARED_MEMORY_LIMIT.get(args.arch, 101376)
-    seen, failures = set(), 0
-    jobs = []
-    for label, dtype, head_dim, hq, hkv, block_size, tokens, batch, max_blocks in _compile_cases(
-        args.quick
-    ):
-        q = torch.empty((tokens, hq, head_dim), dtype=torch_dtypes[dtype], device="meta")
-        cache = torch.empty((1, block_size, hkv, head_dim), dtype=q.dtype, device="meta")
-        tables = torch.empty((batch, max_blocks), dtype=torch.int32, device="meta")
-        for sms in (132, 0):  # the H200's split choice, and no split
-            config = attention.choose_config(q, cache, tables, num_sms=sms)
-            consts, combine = attention.kernel_constexprs(
-                head_dim, hq // hkv, block_size, dtype == "fp32", config
-            )
-            ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
-            ptrs.update({n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")})
-            jobs.append(
-                (
-                    label,
-                    attention._paged_attention_kernel,
-                    ptrs,
-                    consts,
-                    config.num_warps,
-                    config.num_stages,
-                )
-            )
-            if combine:
-                ptrs = {
-                    "out_ptr": f"*{dtype}",
-                    "part_acc_ptr": "*fp32",
-                    "part_m_ptr": "*fp32",
-                    "part_l_ptr": "*fp32",
-                }
-                jobs.append(
-                    (
-                        label + " combine",
-                        attention._combine_splits_kernel,
-                        ptrs,
-                        combine,
-                        attention.COMBINE_NUM_WARPS,
-                        1,
-                    )
-                )
-    for dtype in ("bf16", "fp16", "fp32"):
-        ptrs = {n: f"*{dtype}" for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}
-        ptrs["slot_mapping_ptr"] = "*i64"
-        consts = dict(
-            NUM_HEADS=NUM_KV_HEADS,
-            HEADS_PAD=NUM_KV_HEADS,
-            HEAD_DIM=80,
-            D_PAD=128,
-            BLOCK_SIZE=BLOCK_SIZE,
-        )
-        jobs.append((f"store_kv {dtype}", store._store_kv_kernel, ptrs, consts, 4, 1))
-
-    print(f"compiling for sm_{args.arch} (shared memory limit {limit} bytes)")
-    for label, kernel, ptrs, consts, warps, stages in jobs:
-        key = (
-            kernel.fn.__name__,
-            tuple(sorted(ptrs.items())),
-            tuple(sorted(consts.items())),
-            warps,
-            stages,
-        )
-        if key in seen:
-            continue
-        seen.add(key)
-        start = time.perf_counter()
-        try:
-            compiled = _compile(kernel, ptrs, consts, args.arch, warps, stages)
-        except Exception as exc:  # report every failing configuration, not just the first
-            failures += 1
-            print(
-                f"FAIL {label}: {kernel.fn.__name__} {consts} warps={warps} stages={stages}: "
-                f"{type(exc).__name__}: {exc}"
-            )
-            continue
-        shared = compiled.metadata.shared
-        status = "ok" if shared <= limit else "TOO MUCH SHARED MEMORY"
-        failures += shared > limit
-        print(
-            f"{status:>4} {label:<28} {kernel.fn.__name__:<24} smem {shared:>6} "
-            f"warps {warps} stages {stages} {time.perf_counter() - start:5.1f}s  {consts}"
-        )
-    print(f"{len(seen)} configurations, {failures} failed")
-    return 1 if failures else 0
+    return compile_kernels.run(_compile_cases(args.quick), args.arch, NUM_KV_HEADS, BLOCK_SIZE)
 
 
 def main(argv: list[str] | None = None) -> int:

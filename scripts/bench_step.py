@@ -6,16 +6,17 @@ Builds the Worker's own runner in this process (its build_runner: model, KV cach
 ModelRunner; no other actor, no message), prefills `--num-requests` prompts of the throughput
 workload's lengths, then times `--steps` decode steps of all of them at once. Each op is timed by
 wrapping its call in time.perf_counter (the C kernels are opaque to torch's profiler): decode
-attention, the LM head (with greedy sampling fused in, kernels/cpu_panel_gemm.c, where it
-serves), the projection GEMMs, the fused norms, RoPE, SiLU x up, store_kv, input preparation,
+attention, the LM head (with greedy sampling fused in, kernels/cpu/csrc/cpu_panel_gemm.c, where
+it serves), the projection GEMMs, the fused norms, RoPE, SiLU x up, store_kv, input preparation,
 sampling (where not fused); "rest" is the step less all of them (embedding, Python between ops,
-bookkeeping). That breakdown needs the model's layer-by-layer path; as served, a step of decodes
-runs the whole decoder in one C call (kernels/cpu_decode_stack.c, the same kernels), so the step
-is then timed both ways, alternating blocks of steps, in the "served" table.
+bookkeeping). That breakdown needs the model's layer-by-layer path; as served, the CPU fast path
+runs a step of decodes through the whole decoder in one C call (kernels/cpu/csrc/
+cpu_decode_stack.c, the same kernels), so the step is then timed both ways, alternating blocks of
+steps, in the "served" table.
 
 The LM head and greedy sampling are then timed both ways on the same hidden states: fused, and
 as the GEMM (`compute_logits`) followed by the argmax over the logits (`argmax_rows`). The
-projections run on their packed panels (kernels/cpu_panel_gemm.c), as served; with
+projections run on their packed panels (kernels/cpu/panels.py), as served; with
 `--mkl-projections` on MKL instead, for comparison.
 
 Decode attention reads every context's K/V once a layer, so it is also reported as bytes a step
@@ -59,14 +60,12 @@ class OpTimer:
 
 
 def instrument(runner, timer: OpTimer) -> None:
-    """Wrap the model's ops and the runner's phases (this process only; the model is ours)."""
-    from actorserve.actors.worker.models import llama
-
-    model = runner.model
-    llama.apply_rope = timer.wrap("RoPE (q and k)", llama.apply_rope)
-    llama.silu_mul = timer.wrap("SiLU x up", llama.silu_mul)
+    """Wrap the model's ops, the fast path's head and the runner's phases (this process only)."""
+    model, fast = runner.model, runner.fast_path
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        attn.rope = timer.wrap("RoPE (q and k)", attn.rope)
+        mlp.silu_mul = timer.wrap("SiLU x up", mlp.silu_mul)
         attn.ops = attn.ops._replace(
             store_kv=timer.wrap("store_kv", attn.ops.store_kv),
             paged_attention=timer.wrap("decode attention", attn.ops.paged_attention),
@@ -81,8 +80,8 @@ def instrument(runner, timer: OpTimer) -> None:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             norm.forward = timer.wrap("RMSNorm (+ residual)", norm.forward)
     model.model.norm.forward = timer.wrap("RMSNorm (+ residual)", model.model.norm.forward)
-    model.compute_logits = timer.wrap("lm_head", model.compute_logits)
-    model.greedy_tokens = timer.wrap("lm_head + greedy argmax (as served)", model.greedy_tokens)
+    runner.compute_logits = timer.wrap("lm_head", runner.compute_logits)
+    fast.greedy_tokens = timer.wrap("lm_head + greedy argmax (as served)", fast.greedy_tokens)
     runner.prepare = timer.wrap("input preparation", runner.prepare)
     runner.sampler = timer.wrap("sampling", runner.sampler)
 
@@ -99,7 +98,35 @@ def build(model_dir: Path, prompts: list[list[int]], decode_steps: int):
     bs = config.block_size
     blocks = [(len(p) + decode_steps + 1 + bs - 1) // bs for p in prompts]
     config = msgspec.structs.replace(config, num_kv_blocks=sum(blocks), num_cpu_blocks=0)
-    return build_runner(config), blocks
+    runner = build_runner(config)
+    if runner.fast_path is None:
+        raise SystemExit("bench_step: the CPU fast path does not serve here (no C compiler?)")
+    return runner, blocks
+
+
+def use_decode_stack(runner, on: bool) -> None:
+    """Steps of decodes through the fast path's decode stack (as served) or layer by layer."""
+    fast = runner.fast_path
+    if on:
+        fast.__dict__.pop("forward", None)
+    else:
+        fast.forward = lambda *args: None  # the model serves every step
+
+
+def projections_on_mkl(model) -> None:
+    """Each packed projection back to a plain Linear over the same weight (F.linear: MKL)."""
+    from torch import nn
+
+    from actorserve.kernels.cpu.panels import PackedLinear
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, PackedLinear):
+                    shape = (child.in_features, child.out_features)
+                    plain = nn.Linear(*shape, bias=False, device="meta")
+                    plain.weight = child.weight
+                    setattr(parent, name, plain)
 
 
 def prefill(runner, prompts: list[list[int]], blocks: list[int], budget: int) -> list[str]:
@@ -124,14 +151,14 @@ def prefill(runner, prompts: list[list[int]], blocks: list[int], budget: int) ->
     return rids
 
 
-def served_both_ways(runner, rids: list[str], stack, warmup: int, steps: int) -> list[dict]:
+def served_both_ways(runner, rids: list[str], warmup: int, steps: int) -> list[dict]:
     """Mean ms of a decode step of every request through the decode stack (one C call, as
-    served; None where it does not serve) and layer by layer, in alternating blocks of up to 5
-    steps (the contexts grow as they go)."""
+    served, where it serves) and layer by layer, in alternating blocks of up to 5 steps (the
+    contexts grow as they go)."""
     from actorserve.messages.step import RunningUpdate, StepPlan
 
-    ways = {"layer by layer": None, "decode stack (one C call, served)": stack}
-    if stack is None:
+    ways = {"layer by layer": False, "decode stack (one C call, served)": True}
+    if not runner.fast_path.serves_decode_stack:
         ways.popitem()
     seconds = dict.fromkeys(ways, 0.0)
     size = max(1, min(5, steps))
@@ -139,7 +166,7 @@ def served_both_ways(runner, rids: list[str], stack, warmup: int, steps: int) ->
     step_id = 10_000
     for block in range(-1, blocks):
         for name, way in ways.items():
-            runner.model.decode_stack = way
+            use_decode_stack(runner, way)
             for _ in range(size if block >= 0 else warmup):
                 step_id += 1
                 plan = StepPlan(0, step_id, [], [RunningUpdate(rid, [], 1) for rid in rids], [])
@@ -147,7 +174,7 @@ def served_both_ways(runner, rids: list[str], stack, warmup: int, steps: int) ->
                 runner.execute(plan)
                 if block >= 0:
                     seconds[name] += time.perf_counter() - start
-    runner.model.decode_stack = stack
+    use_decode_stack(runner, True)
     timed = blocks * size
     layered = seconds["layer by layer"]
     return [
@@ -156,7 +183,7 @@ def served_both_ways(runner, rids: list[str], stack, warmup: int, steps: int) ->
     ]
 
 
-def head_both_ways(model, rows: int, repeat: int) -> list[dict]:
+def head_both_ways(runner, rows: int, repeat: int) -> list[dict]:
     """Mean ms of the LM head and greedy sampling over `rows` hidden states: behind the int8
     screen (served where the CPU has AMX), behind the bf16 screen (served where it has bf16
     arithmetic but no AMX), the fused fp32 head alone, and unfused; each where this machine has
@@ -164,16 +191,17 @@ def head_both_ways(model, rows: int, repeat: int) -> list[dict]:
     tokens (random hidden states: no ties)."""
     import torch
 
-    from actorserve.kernels.cpu import argmax_rows
-    from actorserve.kernels.screened_head import ScreenedGreedyHead
-    from actorserve.kernels.screened_head_int8 import Int8ScreenedHead
+    from actorserve.kernels.cpu.attention import argmax_rows
+    from actorserve.kernels.cpu.screened_head import ScreenedGreedyHead
+    from actorserve.kernels.cpu.screened_head_int8 import Int8ScreenedHead
 
+    model, compute_logits = runner.model, runner.compute_logits
     hidden = torch.randn(rows, model.config.hidden_size)
-    served = model._greedy_head
+    served = runner.fast_path.greedy_head
     exact = getattr(served, "exact", served)
     ways = {}
     if exact is not None:
-        weight = model._lm_head_weight()
+        weight = model.lm_head_weight()
         screens = {
             "int8 screen + exact fp32 (screened_head_int8.py)": Int8ScreenedHead,
             "bf16 screen + exact fp32 (screened_head.py)": ScreenedGreedyHead,
@@ -183,7 +211,7 @@ def head_both_ways(model, rows: int, repeat: int) -> list[dict]:
             if head is not None:
                 ways[name] = head
         ways["fused fp32 (cpu_panel_gemm.c)"] = exact
-    ways["GEMM + argmax_rows"] = lambda h: argmax_rows(model.compute_logits(h))
+    ways["GEMM + argmax_rows"] = lambda h: argmax_rows(compute_logits(h))
     tokens = ways["GEMM + argmax_rows"](hidden)
     for name, way in ways.items():
         if not torch.equal(way(hidden), tokens):
@@ -228,13 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     prompts = [r.prompt_ids for r in workload]
     runner, blocks = build(model_dir, prompts, 3 * (args.warmup + args.steps))
-    stack = runner.model.decode_stack
     if args.mkl_projections:
-        from actorserve.actors.worker.models.llama import Projection
-
-        for module in runner.model.modules():
-            if isinstance(module, Projection):
-                module.panel = None
+        projections_on_mkl(runner.model)
     timer = OpTimer()
     instrument(runner, timer)
 
@@ -242,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with torch.inference_mode():
         rids = prefill(runner, prompts, blocks, runner.config.max_num_batched_tokens)
-        runner.model.decode_stack = None  # the ops one by one, for the timer
+        use_decode_stack(runner, False)  # the ops one by one, for the timer
         kv_bytes_per_token = sum(k[0, 0].nbytes + v[0, 0].nbytes for k, v in runner.kv.layers)
         step_times, kv_bytes = [], []
         for i in range(args.warmup + args.steps):
@@ -267,8 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                  "share": 1.0, "p50_ms": bc.percentile(step_times, 50) * 1e3})  # fmt: skip
     timer.on = False
     with torch.inference_mode():
-        served_rows = served_both_ways(runner, rids, stack, args.warmup, args.steps)
-        head_rows = head_both_ways(runner.model, args.num_requests, args.steps)
+        served_rows = served_both_ways(runner, rids, args.warmup, args.steps)
+        head_rows = head_both_ways(runner, args.num_requests, args.steps)
     attention_s = timer.seconds["decode attention"] / args.steps
     mean_kv = statistics.fmean(kv_bytes)
     kv_row = {

@@ -14,9 +14,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
     pip install -q -e '.[dev,bench]'
     touch "$stamp"
 fi
-# The CPU kernels in C (kernels/cpu_*.c) are built on first use with the machine's C compiler;
+# The CPU kernels in C (kernels/cpu/csrc/*.c) are built on first use with the machine's C compiler;
 # without one the engine falls back to torch (slower) and the kernel tests fail.
 if ! command -v cc >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     apt-get update -qq && apt-get install -y -qq gcc >/dev/null
 fi
-python -c "from actorserve.kernels import native; native.load() or print('no C kernels: torch fallback')"
+python -c "from actorserve.kernels.cpu import bindings; bindings.load() or print('no C kernels: plain torch')"

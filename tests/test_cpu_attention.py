@@ -1,10 +1,10 @@
-"""The CPU serving kernels (kernels/cpu.py) against torch, on both paths: the C kernels that
-read the paged cache directly (decodes: kernels/cpu_decode.c, prefill chunks: cpu_prefill.c) and
+"""The CPU serving kernels (kernels/cpu/attention.py) against torch, on both paths: the C kernels
+that read the paged cache directly (decodes: csrc/cpu_decode.c, prefill chunks: cpu_prefill.c) and
 the torch path kept for machines without a compiler (grouped decodes, SDPA for prefill chunks).
 Decodes of many lengths, prefill chunks with and without a cached prefix and over several tiles,
 GQA and MHA, head sizes, block sizes, junk past a sequence's blocks, and the per-step layout
-reused across layers (and not across steps). Also store_kv, and the argmax (kernels/cpu_argmax.c)
-and the LM head with the argmax fused in (kernels/cpu_panel_gemm.c) against torch's
+reused across layers (and not across steps). Also store_kv, and the argmax (csrc/cpu_argmax.c)
+and the LM head with the argmax fused in (csrc/cpu_panel_gemm.c) against torch's
 max(dim=-1).indices, and that file's decode-sized Linear against torch's product."""
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_kernels import TOLERANCES, make_batch
 
-from actorserve.kernels import attention_ops, cpu, native, reference
+from actorserve.kernels import attention_ops, reference
+from actorserve.kernels.cpu import attention as cpu
+from actorserve.kernels.cpu import bindings, build, panels
+from kernel_support import TOLERANCES, make_batch
 
 PATHS = [pytest.param(True, id="c-kernels"), pytest.param(False, id="torch")]
 
@@ -79,14 +81,15 @@ def test_long_prefill_chunks_span_several_tiles(attention, head_dim, heads):
 def test_each_prefill_row_is_the_decode_kernels_result_for_its_token(head_dim):
     """A chunk's token at position p attends to positions 0..p: exactly a decode of that token
     over a context of p + 1 (cpu_prefill.c shares the decode kernel's arithmetic)."""
-    lib = native.load()
+    lib = bindings.load()
     batch = make_batch(
         [40, 1, 23], [70, 12, 23], head_dim=head_dim, num_q_heads=6, num_kv_heads=2, seed=3
     )
     q, k_cache, v_cache, tables, seq_lens, starts, scale = batch.args()
     out = torch.full_like(q, float("nan"))
     for rows in ("decode", "prefill"):
-        native.paged_attention(lib, rows, q, k_cache, v_cache, tables, seq_lens, starts, scale, out)
+        args = (q, k_cache, v_cache, tables, seq_lens, starts, scale, out)
+        bindings.paged_attention(lib, rows, *args)
     # the same step as one-token sequences: token t of sequence b, context up to its position
     rows, lens = [], []
     for b in range(len(seq_lens)):
@@ -95,7 +98,7 @@ def test_each_prefill_row_is_the_decode_kernels_result_for_its_token(head_dim):
             rows.append(b)
             lens.append(int(seq_lens[b]) - n + j + 1)
     single = torch.full_like(q, float("nan"))
-    native.paged_attention(
+    bindings.paged_attention(
         lib, "decode", q, k_cache, v_cache, tables[rows].contiguous(),
         torch.tensor(lens, dtype=torch.int32), torch.arange(len(rows) + 1, dtype=torch.int32),
         scale, single,
@@ -124,7 +127,7 @@ def test_half_precision_falls_back_to_the_torch_path(monkeypatch):
     def no_c(*args):
         raise AssertionError("the C kernels are fp32 only")
 
-    monkeypatch.setattr(native, "paged_attention", no_c)
+    monkeypatch.setattr(bindings, "paged_attention", no_c)
     batch = make_batch([1, 1, 5], [9, 40, 5], dtype=torch.bfloat16)
     torch.testing.assert_close(
         cpu.CpuAttention().paged_attention(*batch.args()),
@@ -134,12 +137,12 @@ def test_half_precision_falls_back_to_the_torch_path(monkeypatch):
 
 
 def test_the_kernel_library_is_cached_by_content(tmp_path, monkeypatch):
-    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
-    first = native.build()
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    first = build.build()
     assert first is not None and first.parent == tmp_path
     built_at = first.stat().st_mtime_ns
-    monkeypatch.setattr(native.subprocess, "run", _compiler_only_for_version(native.subprocess.run))
-    assert native.build() == first  # a second build finds the first one, compiling nothing
+    monkeypatch.setattr(build.subprocess, "run", _compiler_only_for_version(build.subprocess.run))
+    assert build.build() == first  # a second build finds the first one, compiling nothing
     assert first.stat().st_mtime_ns == built_at
     assert len(list(tmp_path.iterdir())) == 1
 
@@ -147,9 +150,13 @@ def test_the_kernel_library_is_cached_by_content(tmp_path, monkeypatch):
 def test_an_installed_package_carries_every_file_the_kernel_library_is_built_from():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
-    patterns = project["tool"]["setuptools"]["package-data"]["actorserve.kernels"]
-    for source in native.SOURCES + native.HEADERS:
-        assert any(fnmatch.fnmatch(source.name, p) for p in patterns), source.name
+    setuptools = project["tool"]["setuptools"]
+    assert "actorserve.kernels.cpu" in setuptools["packages"]
+    package_dir = Path(build.__file__).parent
+    patterns = setuptools["package-data"]["actorserve.kernels.cpu"]
+    for source in build.SOURCES + build.HEADERS:
+        path = source.relative_to(package_dir).as_posix()  # found next to the module, installed
+        assert any(fnmatch.fnmatch(path, p) for p in patterns), path
 
 
 def _compiler_only_for_version(run):
@@ -161,9 +168,12 @@ def _compiler_only_for_version(run):
     return guarded
 
 
-def test_auto_picks_the_cpu_kernels_on_cpu():
+def test_auto_picks_the_cpu_kernels_on_cpu_and_the_reference_without_the_fast_path():
     assert attention_ops("cpu").name == "cpu"
     assert attention_ops("cpu", "reference").name == "reference"
+    assert attention_ops("cpu", c_kernels=False).name == "reference"
+    plain = attention_ops("cpu", "cpu", c_kernels=False)  # asked by name: its torch paths
+    assert plain.name == "cpu" and plain.store_kv is reference.store_kv
 
 
 @pytest.mark.parametrize("shape", [(64, 32000), (3, 17), (1, 1), (5, 100003)])
@@ -185,7 +195,7 @@ def test_the_greedy_head_is_the_first_maximum_of_the_logits(vocab, hidden_size):
     """Small integers make every product exact, so ties are many and must go to the first."""
     gen = torch.Generator().manual_seed(vocab + hidden_size)
     weight = torch.randint(-2, 3, (vocab, hidden_size), generator=gen).float()
-    head = cpu.GreedyHead.for_weight(weight)
+    head = panels.GreedyHead.for_weight(weight)
     assert head is not None, "the C kernels failed to build here"
     for rows in (1, 7, 8, 9, 64):
         hidden = torch.randint(-2, 3, (rows, hidden_size), generator=gen).float()
@@ -193,7 +203,7 @@ def test_the_greedy_head_is_the_first_maximum_of_the_logits(vocab, hidden_size):
     wide = torch.randint(-2, 3, (5, hidden_size + 3), generator=gen).float()
     strided = wide[:, 2 : 2 + hidden_size]
     assert torch.equal(head(strided), (strided @ weight.T).max(dim=-1).indices)
-    column_major = cpu.GreedyHead.for_weight(weight.t().contiguous().t())  # as the Linear layers
+    column_major = panels.GreedyHead.for_weight(weight.t().contiguous().t())  # as the Linear layers
     assert torch.equal(column_major(hidden), head(hidden))
 
 
@@ -203,7 +213,7 @@ def test_the_panel_linear_is_the_product_with_the_weight(out_features, in_featur
     """Small integers make every product exact: the kernel must give torch's result exactly."""
     gen = torch.Generator().manual_seed(out_features + in_features)
     weight = torch.randint(-2, 3, (out_features, in_features), generator=gen).float()
-    linear = cpu.PanelLinear.for_weight(weight.t().contiguous().t())  # column-major, as served
+    linear = panels.PanelLinear.for_weight(weight.t().contiguous().t())  # column-major, as served
     assert linear is not None, "the C kernels failed to build here"
     for rows in (1, 7, 8, 9, 64, 130):
         x = torch.randint(-2, 3, (rows, in_features), generator=gen).float()
@@ -214,8 +224,8 @@ def test_the_panel_linear_is_the_product_with_the_weight(out_features, in_featur
 
 
 def test_the_greedy_head_refuses_what_it_cannot_serve():
-    assert cpu.GreedyHead.for_weight(torch.ones(4, 4, dtype=torch.float64)) is None
-    assert cpu.PanelLinear.for_weight(torch.ones(4, 4, dtype=torch.float64)) is None
+    assert panels.GreedyHead.for_weight(torch.ones(4, 4, dtype=torch.float64)) is None
+    assert panels.PanelLinear.for_weight(torch.ones(4, 4, dtype=torch.float64)) is None
 
 
 def test_store_kv_matches_the_reference_from_strided_rows_and_skips_minus_one():

@@ -1,6 +1,7 @@
-"""The fused elementwise steps (kernels/elementwise.py: C on CPU fp32, torch elsewhere) give
-Hugging Face's Llama math: RMSNorm with and without its residual add, SiLU-and-multiply, and the
-rotary embedding."""
+"""Both bundles of elementwise steps the model may be built with give Hugging Face's Llama math:
+the plain torch one (kernels/elementwise.py) and the CPU fast path's (kernels/cpu/elementwise.py:
+C for fp32 CPU tensors, the torch one for the rest). RMSNorm with and without its residual add,
+SiLU-and-multiply, and the rotary embedding (to the bit)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actorserve.kernels import elementwise, native
+from actorserve.kernels.cpu import bindings
+from actorserve.kernels.cpu.elementwise import C_ELEMENTWISE
+from actorserve.kernels.elementwise import TORCH_ELEMENTWISE, ElementwiseOps
 
 TOL = dict(rtol=2e-6, atol=2e-6)
 
@@ -18,12 +21,17 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
 
 
+@pytest.fixture(params=[C_ELEMENTWISE, TORCH_ELEMENTWISE], ids=lambda ops: ops.name)
+def elementwise(request) -> ElementwiseOps:
+    return request.param
+
+
 def test_the_c_library_builds_here():
-    assert native.load() is not None
+    assert bindings.load() is not None
 
 
 @pytest.mark.parametrize("rows, dim", [(1, 256), (64, 256), (2048, 256), (7, 80), (3, 4100)])
-def test_rms_norm_with_and_without_the_residual(rows, dim):
+def test_rms_norm_with_and_without_the_residual(elementwise, rows, dim):
     gen = torch.Generator().manual_seed(rows)
     x, residual = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen)
     weight = torch.randn(dim, generator=gen)
@@ -35,7 +43,7 @@ def test_rms_norm_with_and_without_the_residual(rows, dim):
     torch.testing.assert_close(normed, hf_rms_norm(x + residual, weight, 1e-5), **TOL)
 
 
-def test_rms_norm_takes_strided_rows_and_falls_back_for_other_shapes():
+def test_rms_norm_takes_strided_rows_and_falls_back_for_other_shapes(elementwise):
     gen = torch.Generator().manual_seed(0)
     wide = torch.randn(5, 300, generator=gen)
     weight = torch.randn(64, generator=gen)
@@ -50,7 +58,7 @@ def test_rms_norm_takes_strided_rows_and_falls_back_for_other_shapes():
 
 
 @pytest.mark.parametrize("rows, inter", [(1, 768), (64, 768), (2048, 768), (3, 37)])
-def test_silu_mul(rows, inter):
+def test_silu_mul(elementwise, rows, inter):
     gen = torch.Generator().manual_seed(inter)
     gate_up = torch.randn(rows, 2 * inter, generator=gen) * 8  # both tails of the sigmoid
     gate_up[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])
@@ -61,7 +69,7 @@ def test_silu_mul(rows, inter):
 @pytest.mark.parametrize(
     "tokens, heads, dim", [(1, 6, 64), (64, 6, 64), (2048, 6, 64), (3, 5, 128)]
 )
-def test_rope_in_c_is_hugging_faces_rotation_to_the_bit(tokens, heads, dim):
+def test_rope_is_hugging_faces_rotation_to_the_bit(elementwise, tokens, heads, dim):
     """On a strided view of the fused qkv output, as the attention layer calls it; against
     transformers' q * cos + rotate_half(q) * sin with its [c, c] and [s, s] tables."""
     gen = torch.Generator().manual_seed(tokens)
@@ -70,11 +78,14 @@ def test_rope_in_c_is_hugging_faces_rotation_to_the_bit(tokens, heads, dim):
     angles = torch.rand(tokens, dim // 2, generator=gen) * 100
     c, s = angles.cos(), angles.sin()
     rotated = elementwise.rope(x, torch.cat((c, c), -1)[:, None], torch.cat((-s, s), -1)[:, None])
-    assert rotated.is_contiguous()
+    assert rotated.is_contiguous()  # as the attention reads q
     half = dim // 2
     rotate_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     hf = x * torch.cat((c, c), -1)[:, None] + rotate_half * torch.cat((s, s), -1)[:, None]
     assert torch.equal(rotated, hf)
-    fallback = elementwise.rope(x.double(), torch.cat((c, c), -1)[:, None].double(),
-                                torch.cat((-s, s), -1)[:, None].double())  # torch path
+    fallback = elementwise.rope(
+        x.double(),
+        torch.cat((c, c), -1)[:, None].double(),
+        torch.cat((-s, s), -1)[:, None].double(),
+    )  # torch path
     torch.testing.assert_close(rotated, fallback.float(), **TOL)

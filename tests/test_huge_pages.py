@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actorserve.kernels import huge_pages
+from actorserve.kernels.cpu import huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -39,3 +39,10 @@ def test_a_large_tensor_is_backed_by_huge_pages():
     first_whole_page = -(-tensor.data_ptr() // huge_pages.HUGE_PAGE) * huge_pages.HUGE_PAGE
     # the advised range is a mapping of its own (madvise splits the allocation's)
     assert anon_huge_kib(first_whole_page) >= 32 << 10  # at least half of it on 2 MiB pages
+
+
+def test_a_tensor_not_asked_huge_is_not_advised(monkeypatch):
+    """transparent_huge_pages=False: no madvise at all (the kernel's default decides)."""
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: pytest.fail("advised"))
+    tensor = huge_pages.zeros((16 << 20,), torch.float32, huge=False)
+    assert not tensor.any()

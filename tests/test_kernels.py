@@ -1,11 +1,8 @@
-"""Triton paged attention and KV store against the torch reference (and the reference against a
+"""Triton paged attention against the torch reference (and the reference against a
 naive per-token loop). On CPU the kernels run in Triton's interpreter (conftest sets
 TRITON_INTERPRET=1), so the cases are small; `gpu`-marked cases are larger and need CUDA.
 
-Tolerances (max |kernel - reference| allowed, elementwise atol + rtol * |reference|):
-    fp32: atol 2e-5, rtol 2e-5  (fp32 dots, "ieee" precision on GPU)
-    fp16: atol 5e-3, rtol 1e-2  (inputs and the softmax probabilities fed to P @ V are fp16)
-    bf16: atol 3e-2, rtol 3e-2  (GPU only: the interpreter has no native bf16 dot)
+Tolerances: tests/kernel_support.py. The KV store: tests/test_store_kv.py.
 """
 
 from __future__ import annotations
@@ -22,120 +19,15 @@ import torch
 
 from actorserve.kernels import reference
 from actorserve.kernels.paged_attention import LaunchConfig, choose_config, paged_attention
-from actorserve.kernels.store_kv import store_kv
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOLERANCES = {
-    torch.float32: dict(atol=2e-5, rtol=2e-5),
-    torch.float16: dict(atol=5e-3, rtol=1e-2),
-    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
-}
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def gpu_test(fn):
-    return pytest.mark.gpu(requires_cuda(fn))
-
-
-@dataclasses.dataclass
-class Batch:
-    """One paged-attention call's inputs; block ids are a random permutation of the cache's
-    blocks, and table entries past a sequence's blocks hold an out-of-range id (never read)."""
-
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    scale: float
-
-    def args(self):
-        return (
-            self.q,
-            self.k_cache,
-            self.v_cache,
-            self.block_tables,
-            self.seq_lens,
-            self.query_start_loc,
-            self.scale,
-        )
-
-
-def make_batch(
-    query_lens: list[int],
-    seq_lens: list[int],
-    *,
-    block_size: int = 16,
-    num_q_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 64,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    device: str = DEVICE,
-) -> Batch:
-    assert len(query_lens) == len(seq_lens)
-    assert all(1 <= n <= s for n, s in zip(query_lens, seq_lens, strict=True))
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3  # spare blocks hold junk no sequence owns
-    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-    v_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-    ids = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    max_blocks = max(blocks_per_seq) + 2
-    block_tables = torch.full((len(seq_lens), max_blocks), num_blocks + 1000, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(blocks_per_seq):
-        block_tables[b, :n] = ids[used : used + n]
-        used += n
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    q = torch.randn((starts[-1], num_q_heads, head_dim), generator=gen).to(dtype)
-    return Batch(
-        q=q.to(device),
-        k_cache=k_cache.to(device),
-        v_cache=v_cache.to(device),
-        block_tables=block_tables.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        scale=head_dim**-0.5,
-    )
-
-
-def naive_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
-    """The oracle of the oracle: one query token and one head at a time, keys fetched one cache
-    position at a time through the block table, softmax in float64."""
-    block_size = k_cache.shape[1]
-    group = q.shape[1] // k_cache.shape[2]
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    starts = query_start_loc.tolist()
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        q_len = starts[b + 1] - starts[b]
-        for i in range(q_len):
-            token = starts[b] + i
-            position = seq_len - q_len + i
-            keys, values = [], []
-            for p in range(position + 1):
-                block = int(block_tables[b, p // block_size])
-                keys.append(k_cache[block, p % block_size])
-                values.append(v_cache[block, p % block_size])
-            k = torch.stack(keys).double().cpu()  # [position + 1, Hkv, D]
-            v = torch.stack(values).double().cpu()
-            for h in range(q.shape[1]):
-                scores = k[:, h // group] @ q[token, h].double().cpu() * scale
-                out[token, h] = torch.softmax(scores, dim=0) @ v[:, h // group]
-    return out
-
-
-def assert_matches_reference(batch: Batch, **kwargs) -> torch.Tensor:
-    out = paged_attention(*batch.args(), **kwargs)
-    expected = reference.paged_attention(*batch.args())
-    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
-    torch.testing.assert_close(out, expected, **TOLERANCES[batch.q.dtype])
-    return out
-
+from kernel_support import (
+    DEVICE,
+    TOLERANCES,
+    Batch,
+    assert_matches_reference,
+    gpu_test,
+    make_batch,
+    naive_paged_attention,
+)
 
 # --- the reference itself ---------------------------------------------------------------------
 
@@ -398,97 +290,6 @@ def test_paged_attention_rejects_bad_arguments(name, mutate, message):
         paged_attention(*mutate(batch))
 
 
-# --- store_kv ---------------------------------------------------------------------------------
-
-
-def _caches(num_blocks=6, block_size=8, num_kv_heads=2, head_dim=80, dtype=torch.float32):
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return (torch.randn(shape).to(dtype).to(DEVICE), torch.randn(shape).to(dtype).to(DEVICE))
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_store_kv_writes_rows_at_slots_and_skips_minus_one(cache_dtype):
-    torch.manual_seed(0)
-    k_cache, v_cache = _caches(dtype=cache_dtype)
-    k = torch.randn(5, 2, 80, device=DEVICE)
-    v = torch.randn(5, 2, 80, device=DEVICE)
-    slots = torch.tensor([3, -1, 17, 47, -1], device=DEVICE)  # 47 = last slot of block 5
-    before_k, before_v = k_cache.clone(), v_cache.clone()
-    store_kv(k, v, k_cache, v_cache, slots)
-
-    expected_k, expected_v = before_k.clone(), before_v.clone()
-    reference.store_kv(k, v, expected_k, expected_v, slots)
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-    assert torch.equal(k_cache[2, 1], k[2].to(cache_dtype))  # slot 17 = block 2, offset 1
-    flat_k = k_cache.view(-1, 2, 80)
-    untouched = [s for s in range(48) if s not in (3, 17, 47)]
-    assert torch.equal(flat_k[untouched], before_k.view(-1, 2, 80)[untouched])
-
-
-def test_store_kv_never_writes_outside_the_cache():
-    """Caches are views into a buffer with a guard block on each side; slots -1 and
-    num_blocks * block_size (one past the end) are skipped, so the guards stay intact."""
-    k_buffer, v_buffer = _caches(num_blocks=8)
-    k_cache, v_cache = k_buffer[1:-1], v_buffer[1:-1]  # 6 blocks of 8 = slots 0..47
-    guards = k_buffer[[0, -1]].clone(), v_buffer[[0, -1]].clone()
-    k = torch.randn(4, 2, 80, device=DEVICE)
-    store_kv(k, k, k_cache, v_cache, torch.tensor([-1, 48, 0, -1], device=DEVICE))
-    assert torch.equal(k_buffer[[0, -1]], guards[0]) and torch.equal(v_buffer[[0, -1]], guards[1])
-    assert torch.equal(k_cache[0, 0], k[2]) and torch.equal(v_cache[0, 0], k[2])
-
-
-def test_store_kv_with_int32_slots_then_attention_sees_the_new_tokens():
-    batch = make_batch([4, 1], [12, 21], block_size=8, num_q_heads=4, num_kv_heads=2)
-    gen = torch.Generator().manual_seed(5)
-    k_new = torch.randn(5, 2, 64, generator=gen).to(DEVICE)
-    v_new = torch.randn(5, 2, 64, generator=gen).to(DEVICE)
-    slots = []
-    for b, (q_len, seq_len) in enumerate([(4, 12), (1, 21)]):
-        for pos in range(seq_len - q_len, seq_len):
-            slots.append(int(batch.block_tables[b, pos // 8]) * 8 + pos % 8)
-    slot_mapping = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
-    store_kv(k_new, v_new, batch.k_cache, batch.v_cache, slot_mapping)
-    block, offset = divmod(slots[-1], 8)
-    assert torch.equal(batch.k_cache[block, offset], k_new[-1])
-    assert_matches_reference(batch)
-
-
-BAD_STORE_ARGS = [
-    (
-        "k heads",
-        lambda k, v, kc, vc, s: (k[:, :1], v[:, :1], kc, vc, s),
-        r"k must be \[T, Hkv, D\] = \[T, 2, 80\]",
-    ),
-    ("v shape", lambda k, v, kc, vc, s: (k, v[:2], kc, vc, s), "v shape .* must equal k shape"),
-    (
-        "float slots",
-        lambda k, v, kc, vc, s: (k, v, kc, vc, s.float()),
-        "slot_mapping must be int32 or int64",
-    ),
-    (
-        "slot count",
-        lambda k, v, kc, vc, s: (k, v, kc, vc, s[:2]),
-        r"slot_mapping must be .* of shape \[T\]=\(3,\)",
-    ),
-    (
-        "cache dtype",
-        lambda k, v, kc, vc, s: (k, v, kc.int(), vc.int(), s),
-        "k_cache dtype must be float16, bfloat16 or float32",
-    ),
-    ("cache pair", lambda k, v, kc, vc, s: (k, v, kc, vc[:, :4], s), "v_cache shape .* must equal"),
-    ("int k", lambda k, v, kc, vc, s: (k.int(), v, kc, vc, s), "k must be a floating tensor"),
-]
-
-
-@pytest.mark.parametrize("name, mutate, message", BAD_STORE_ARGS, ids=lambda x: None)
-def test_store_kv_rejects_bad_arguments(name, mutate, message):
-    k_cache, v_cache = _caches()
-    k = torch.randn(3, 2, 80, device=DEVICE)
-    args = (k, k.clone(), k_cache, v_cache, torch.tensor([0, 1, -1], device=DEVICE))
-    with pytest.raises(ValueError, match=message):
-        store_kv(*mutate(*args))
-
-
 # --- compiled code paths, checked without a GPU -------------------------------------------------
 
 
@@ -548,17 +349,3 @@ def test_gpu_long_decodes_take_split_kv_automatically(head_dim):
     )
     assert choose_config(batch.q, batch.k_cache, batch.block_tables).num_kv_splits > 1
     assert_matches_reference(batch)
-
-
-@gpu_test
-def test_gpu_store_kv_bf16():
-    k_cache, v_cache = _caches(
-        num_blocks=512, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16
-    )
-    k = torch.randn(1000, 8, 128, device=DEVICE, dtype=torch.bfloat16)
-    slots = torch.randperm(512 * 16, device=DEVICE)[:1000]
-    slots[::7] = -1
-    expected = k_cache.clone(), v_cache.clone()
-    store_kv(k, k, k_cache, v_cache, slots)
-    reference.store_kv(k, k, *expected, slots)
-    assert torch.equal(k_cache, expected[0]) and torch.equal(v_cache, expected[1])

@@ -1,17 +1,18 @@
-"""The screened greedy head (kernels/screened_head.py): a bf16 product screens the columns, the
+"""The screened greedy head (kernels/cpu/screened_head.py): a bf16 product screens the columns, the
 survivors are computed exactly, and the tokens are the exact fp32 head's to the bit: with ties,
 with rows the screen cannot settle, at every batch size."""
 
 import pytest
 import torch
 
-from actorserve.kernels import cpu, native, screened_head
-from actorserve.kernels.screened_head import FACTOR, ScreenedGreedyHead
+from actorserve.kernels.cpu import bindings, screened_head
+from actorserve.kernels.cpu.panels import GreedyHead
+from actorserve.kernels.cpu.screened_head import FACTOR, ScreenedGreedyHead
 from support import tied_columns
 
 
-def heads(weight: torch.Tensor) -> tuple[cpu.GreedyHead, ScreenedGreedyHead]:
-    exact = cpu.GreedyHead.for_weight(weight)
+def heads(weight: torch.Tensor) -> tuple[GreedyHead, ScreenedGreedyHead]:
+    exact = GreedyHead.for_weight(weight)
     assert exact is not None, "the C kernels failed to build here"
     screened = ScreenedGreedyHead.for_weight(weight, exact, force=True)
     if screened is None:  # oneDNN's bf16 ops want AVX-512 (or AVX-NE-CONVERT) at least
@@ -55,11 +56,11 @@ def test_the_screen_reads_the_weight_through_its_strides():
     _, screened = heads(weight)
     hidden = torch.randn(9, 64, generator=gen)
     approx = screened.approx_logits(hidden)
-    lib, norms = native.load(), screened._col_norms
-    row_major, unsettled = native.screened_argmax(lib, hidden, approx, weight, norms, FACTOR)
+    lib, norms = bindings.load(), screened._col_norms
+    row_major, unsettled = bindings.screened_argmax(lib, hidden, approx, weight, norms, FACTOR)
     column_major = weight.t().contiguous().t()
     assert torch.equal(
-        native.screened_argmax(lib, hidden, approx, column_major, norms, FACTOR)[0], row_major
+        bindings.screened_argmax(lib, hidden, approx, column_major, norms, FACTOR)[0], row_major
     )
     assert (row_major >= 0).all() and unsettled == 0
 
@@ -84,8 +85,8 @@ def test_rows_the_screen_cannot_settle_get_the_exact_heads_token():
     hidden[4, 9] = float("nan")
     assert torch.equal(screened(hidden), exact(hidden))
     approx = screened.approx_logits(hidden)
-    tokens, unsettled = native.screened_argmax(
-        native.load(), hidden, approx, weight, screened._col_norms, FACTOR
+    tokens, unsettled = bindings.screened_argmax(
+        bindings.load(), hidden, approx, weight, screened._col_norms, FACTOR
     )
     assert unsettled == int((tokens < 0).sum()) and (tokens[[1, 3, 4]] == -1).all()
 
@@ -111,12 +112,10 @@ def test_it_serves_only_where_the_bound_and_the_machine_allow(monkeypatch):
     bad[7, 3] = float("inf")
     assert ScreenedGreedyHead.for_weight(bad, exact, force=True) is None
     wide = torch.randn(4, screened_head.MAX_HIDDEN + 1)
-    assert ScreenedGreedyHead.for_weight(wide, cpu.GreedyHead.for_weight(wide), force=True) is None
+    assert ScreenedGreedyHead.for_weight(wide, GreedyHead.for_weight(wide), force=True) is None
     monkeypatch.setattr(screened_head, "cpu_has_bf16", lambda: False)
     assert ScreenedGreedyHead.for_weight(weight, exact) is None
     monkeypatch.setattr(screened_head, "cpu_has_bf16", lambda: True)
     assert ScreenedGreedyHead.for_weight(weight, exact) is not None
     monkeypatch.setattr(ScreenedGreedyHead, "holds_its_bound", lambda self: False)
-    assert ScreenedGreedyHead.for_weight(weight, exact, force=True) is None
-    monkeypatch.setenv("ACTORSERVE_BF16_SCREEN", "0")
     assert ScreenedGreedyHead.for_weight(weight, exact, force=True) is None

@@ -1,22 +1,23 @@
-"""The int8-screened greedy head (kernels/screened_head_int8.py, kernels/cpu_screen_int8.c): integer
-products on AMX screen the columns, the survivors are computed exactly, and the tokens are the
-exact fp32 head's to the bit: with ties and near-ties, with rows the screen cannot settle, at
-every batch size, across the threads' column split."""
+"""The int8-screened greedy head (kernels/cpu/screened_head_int8.py, csrc/cpu_screen_int8.c):
+integer products on AMX screen the columns, the survivors are computed exactly, and the tokens
+are the exact fp32 head's to the bit: with ties and near-ties, with rows the screen cannot
+settle, at every batch size, across the threads' column split."""
 
 import logging
 
 import pytest
 import torch
 
-from actorserve.kernels import cpu, native, screened_head_int8
-from actorserve.kernels.screened_head_int8 import Int8ScreenedHead, quantize_columns
+from actorserve.kernels.cpu import bindings
+from actorserve.kernels.cpu.panels import GreedyHead
+from actorserve.kernels.cpu.screened_head_int8 import Int8ScreenedHead, quantize_columns
 from support import tied_columns
 
 
-def heads(weight: torch.Tensor) -> tuple[cpu.GreedyHead, Int8ScreenedHead]:
-    exact = cpu.GreedyHead.for_weight(weight)
+def heads(weight: torch.Tensor) -> tuple[GreedyHead, Int8ScreenedHead]:
+    exact = GreedyHead.for_weight(weight)
     assert exact is not None, "the C kernels failed to build here"
-    if not native.load().int8_screen_available():
+    if not bindings.load().int8_screen_available():
         pytest.skip("no AMX-INT8 here (CPU, compiler or kernel)")
     screened = Int8ScreenedHead.for_weight(weight, exact)
     assert screened is not None
@@ -136,16 +137,15 @@ def test_it_serves_only_where_the_machine_and_the_weight_allow(monkeypatch, capl
         assert Int8ScreenedHead.for_weight(weight, exact) is None
     assert "disagreed" in caplog.text
     monkeypatch.undo()
-    monkeypatch.setenv("ACTORSERVE_INT8_SCREEN", "0")
-    assert Int8ScreenedHead.for_weight(weight, exact) is None
-    monkeypatch.delenv("ACTORSERVE_INT8_SCREEN")
+
+    lib = bindings.load()
 
     class NoAmx:  # the C library as built where the compiler or CPU has no AMX-INT8
         def __getattr__(self, name):
-            return getattr(native.load(), name)
+            return getattr(lib, name)
 
         def int8_screen_available(self):
             return 0
 
-    monkeypatch.setattr(screened_head_int8.native, "load", lambda: NoAmx())
+    monkeypatch.setattr(bindings, "load", lambda: NoAmx())
     assert Int8ScreenedHead.for_weight(weight, exact) is None

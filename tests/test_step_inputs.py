@@ -1,7 +1,7 @@
-"""The runner's flat inputs for a step of decodes come from kernels/cpu_step_inputs.c on CPU: the
-same tensors, field by field, as its numpy path, which serves every other step; and a step over
-the same decodes as the one before takes them from that step's numbers (DecodeBatch), still the
-same tensors and the same tokens."""
+"""The runner's flat inputs for a step of decodes come from the CPU fast path
+(kernels/cpu/csrc/cpu_step_inputs.c): the same tensors, field by field, as its numpy path, which
+serves every other step; and a step over the same decodes as the one before takes them from that
+step's numbers (DecodeBatch), still the same tensors and the same tokens."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def new_runner(llama_dir, num_kv_blocks: int = 32):
         config.resolve_model(), num_kv_blocks=num_kv_blocks, num_cpu_blocks=0
     )
     runner = build_runner(config)
-    assert runner.native is not None, "the CPU kernels could not be built (no C compiler?)"
+    assert runner.fast_path is not None, "the CPU kernels could not be built (no C compiler?)"
     return runner
 
 
@@ -44,12 +44,23 @@ def runner(llama_dir):
 
 
 def prepared(runner, scheduled, native: bool):
-    keep = runner.native
-    runner.native = keep if native else None
-    try:
-        return runner.prepare(scheduled)
-    finally:
-        runner.native = keep
+    """The step's inputs through the fast path's hook (`native`) or the numpy path."""
+    return (runner.prepare if native else numpy_prepare(runner))(scheduled)
+
+
+def numpy_prepare(runner, prepare=None):
+    """runner.prepare with the fast path hidden from it alone (the step itself still runs
+    through the fast path): the numpy input path."""
+    prepare = prepare or runner.prepare
+
+    def numpy_only(scheduled):
+        fast_path, runner.fast_path = runner.fast_path, None
+        try:
+            return prepare(scheduled)
+        finally:
+            runner.fast_path = fast_path
+
+    return numpy_only
 
 
 def test_a_step_of_decodes_gets_the_numpy_paths_inputs(runner):
@@ -131,12 +142,11 @@ def test_decoding_the_same_requests_again_advances_the_last_steps_numbers(llama_
     prepare, reused = runner.prepare, []
 
     def checked(scheduled):
-        last, native = runner.decodes, runner.native
-        runner.native = runner.decodes = None
+        last, runner.decodes = runner.decodes, None
         try:
-            slow = prepare(scheduled)
+            slow = numpy_prepare(runner, prepare)(scheduled)
         finally:
-            runner.native, runner.decodes = native, last
+            runner.decodes = last
         fast = prepare(scheduled)
         reused.append(last is not None and fast.decodes is last)
         assert fast.input_ids.tolist() == slow.input_ids.tolist()
@@ -186,7 +196,7 @@ def test_the_kept_numbers_sample_what_the_numpy_path_does(llama_dir, params):
     for native in (True, False):
         runner = started(llama_dir, params)
         if not native:
-            runner.native = None
+            runner.prepare = numpy_prepare(runner)
         outputs.append(
             [
                 runner.execute(plan).token_ids

@@ -4,7 +4,9 @@ In steady decoding each step runs the same requests in the same order, one token
 samples. The runner keeps such a step's numbers (DecodeBatch) and, when the next plan schedules
 the same requests again, advances them instead of reading every request in Python: one more token
 computed, the token just sampled, the blocks the plan added. One C call then rewrites the flat
-inputs in buffers the step's tensors already view (kernels/native.py DecodeInputs).
+inputs in buffers the step's tensors already view (the CPU fast path's DecodeInputs,
+kernels/cpu/decode_inputs.py). Only the fast path's steps have one: it is the runner's record of
+such a step, while the fast path owns the buffers and the C.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ...kernels import native
-from .sampler import SampleRow
-
 if TYPE_CHECKING:
+    from ...kernels.cpu.decode_inputs import DecodeInputs
+    from ...kernels.cpu.fast_path import CpuFastPath
     from .runner import CachedRequest
+    from .sampler import SampleRow
 
 
 @dataclass
@@ -34,7 +36,7 @@ class DecodeBatch:
     scheduled: list[tuple[str, int]]
     requests: list[CachedRequest]
     numbers: np.ndarray
-    inputs: native.DecodeInputs
+    inputs: DecodeInputs
     sample_index: list[int] | None
     sample_ids: list[str]
     sample_rows: list[SampleRow]
@@ -42,7 +44,13 @@ class DecodeBatch:
     next_tokens: torch.Tensor | None = None  # sampled by the step before, not yet in `numbers`
 
     @classmethod
-    def of(cls, scheduled: list[tuple[str, int]], requests: list[CachedRequest], columns: int):
+    def of(
+        cls,
+        scheduled: list[tuple[str, int]],
+        requests: list[CachedRequest],
+        columns: int,
+        fast_path: CpuFastPath,
+    ):
         flat, samples = [], []
         for i, r in enumerate(requests):  # one pass: each Python step here runs on cold caches
             computed, tokens = r.num_computed, r.token_ids
@@ -55,7 +63,7 @@ class DecodeBatch:
         sample_ids, sample_rows, _ = sample_rows_of(scheduled, requests, ends)
         reads = any(row.plain_from != 0 for row in sample_rows)  # see sampler.is_plain_greedy
         index = None if len(samples) == n else samples
-        inputs = native.DecodeInputs(numbers, columns)
+        inputs = fast_path.decode_inputs(numbers, columns)
         return cls(scheduled, requests, numbers, inputs, index, sample_ids, sample_rows, reads)
 
     def grew(self, grown: list[tuple[int, CachedRequest]]) -> None:
@@ -72,10 +80,10 @@ class DecodeBatch:
                 row.position += 1
                 row.num_output += 1
 
-    def fill(self, lib, table: np.ndarray, block_size: int) -> int | None:
-        """The step's flat inputs into `inputs` (kernels/native.py DecodeInputs.fill)."""
+    def fill(self, table: np.ndarray, block_size: int) -> int | None:
+        """The step's flat inputs into `inputs` (DecodeInputs.fill)."""
         tokens, self.next_tokens = self.next_tokens, None
-        return self.inputs.fill(lib, table, block_size, tokens)
+        return self.inputs.fill(table, block_size, tokens)
 
 
 def sample_rows_of(scheduled, requests: list[CachedRequest], samples) -> tuple[list, list, list]:

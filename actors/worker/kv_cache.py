@@ -7,9 +7,9 @@ device), all before the step's forward, which waits on an event.
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-from ...kernels import huge_pages
+import torch
 
 
 class KVCache:
@@ -23,12 +23,16 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ):
+        """`allocate(shape, dtype)`: zeroed device blocks where a backend places them itself (the
+        CPU fast path: on huge pages); else torch.zeros on `device`."""
         self.num_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+
         def zeros():
-            if device.type == "cpu":
-                return huge_pages.zeros(shape, dtype)
+            if allocate is not None:
+                return allocate(shape, dtype)
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.layers = [(zeros(), zeros()) for _ in range(num_layers)]

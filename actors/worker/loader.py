@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from actorserve.kernels import AttentionOps
+from actorserve.kernels.elementwise import TORCH_ELEMENTWISE, ElementwiseOps
 
 from ..model_config import ModelConfig
 from .models.llama import CausalLM
@@ -45,12 +46,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(
-    model_dir: str | Path, device: torch.device | str, dtype: torch.dtype, ops: AttentionOps
+    model_dir: str | Path,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    ops: AttentionOps,
+    elementwise: ElementwiseOps = TORCH_ELEMENTWISE,
 ) -> tuple[CausalLM, ModelConfig]:
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = CausalLM(config, ops)
+        model = CausalLM(config, ops, elementwise)
     wanted = {name: checkpoint_names(name) for name, _ in model.named_parameters()}
     needed = {part for parts in wanted.values() for part in parts}
     tensors = _read_tensors(safetensors_files(model_dir), needed, config)

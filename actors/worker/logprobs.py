@@ -11,7 +11,7 @@ prefill chunk over positions [s, e) yields entries for prompt tokens s + 1 .. mi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -92,7 +92,7 @@ class PromptLogprobsTracker:
 
     def compute(
         self,
-        model,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
         hidden: torch.Tensor,
         scheduled: Sequence[tuple[str, int]],
         requests: dict[str, CachedRequest],
@@ -130,7 +130,7 @@ class PromptLogprobsTracker:
         for at in range(0, len(rows), PROMPT_ROWS_PER_CHUNK):
             part = slice(at, at + PROMPT_ROWS_PER_CHUNK)
             index = torch.tensor(rows[part], device=device)
-            logits = model.compute_logits(hidden.index_select(0, index))
+            logits = compute_logits(hidden.index_select(0, index))
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             entries.extend(
                 token_logprobs(logprobs, torch.tensor(targets[part], device=device), ks[part])

@@ -4,6 +4,10 @@ For each scheduled request the step computes tokens [num_computed, num_computed 
 `token_ids`; their KV goes to slots block_ids[pos // block_size] * block_size + pos % block_size.
 A request samples when the step reaches the end of its `token_ids`; the sampled token is appended
 here, so a decode needs no token ids from the Scheduler.
+
+Where the CPU fast path serves (kernels/cpu/fast_path.py, None elsewhere), it is the one hook: a
+step of decodes gets its inputs in C (DecodeBatch), its hidden states from the decode stack and
+its greedy tokens from the fused head; every other step goes through the model and the sampler.
 """
 
 from __future__ import annotations
@@ -11,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ...kernels import native
 from ...messages.step import NewRequest, StepPlan, StepResult
 from ..config import EngineConfig
 from ..step_trace import open_trace
@@ -25,6 +29,9 @@ from .kv_cache import KVCache
 from .logprobs import PromptLogprobsTracker, start_sample_logprobs
 from .models.llama import AttentionMetadata
 from .sampler import Sampler, SampleRow, is_plain_greedy
+
+if TYPE_CHECKING:
+    from ...kernels.cpu.fast_path import CpuFastPath
 
 
 @dataclass
@@ -55,14 +62,21 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model, kv: KVCache, device: torch.device):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model,
+        kv: KVCache,
+        device: torch.device,
+        fast_path: CpuFastPath | None = None,
+    ):
+        """`fast_path`: prepared over this model and `kv` (CpuFastPath.prepare), or None."""
         self.config = config
         self.model = model
-        if device.type == "cpu":
-            model.use_column_major_weights()  # faster small-batch GEMMs on CPU
-            model.pack_projections_for_cpu()
-            model.pack_lm_head_for_cpu()
-            model.pack_decode_stack_for_cpu(kv.layers)
+        self.fast_path = fast_path
+        self.compute_logits = (
+            model.compute_logits if fast_path is None else fast_path.compute_logits
+        )
         self.kv = kv
         self.kv_caches = kv.layers
         self.device = device
@@ -72,8 +86,10 @@ class ModelRunner:
         self.block_tables = BlockTables(max(1, config.max_num_seqs))
         self.decodes: DecodeBatch | None = None  # the last step, when all its requests decoded
         self.grown: list[tuple[int, CachedRequest]] = []  # (index in the step, request)
-        self.native = native.load() if device.type == "cpu" else None  # decode inputs in C
-        self.sampler = Sampler(config.seed)
+        if fast_path is None:
+            self.sampler = Sampler(config.seed)
+        else:
+            self.sampler = Sampler(config.seed, fast_path.argmax_rows)
         self.prompt_logprobs = PromptLogprobsTracker()  # requests owing prompt logprobs
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None  # step inputs, KV swaps
@@ -127,18 +143,15 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[tuple[str, int]]) -> StepInputs:
         """Flat inputs for the step, vectorized over requests (numpy), one request after another;
-        a step of decodes alone in one C call where the machine has the CPU kernels, from the
-        last step's numbers when that step decoded the same requests (DecodeBatch)."""
+        a step of decodes alone through the fast path where it serves (_decode_inputs)."""
         last, self.decodes = self.decodes, None  # kept again only once this step is done
-        if last is not None and scheduled == last.scheduled:
-            last.grew(self.grown)
-            return self._decode_inputs(last)
+        if self.fast_path is not None:
+            inputs = self._decode_inputs(scheduled, last)
+            if inputs is not None:
+                return inputs
         bs = self.block_size
         n = len(scheduled)
         reqs = [self.requests[rid] for rid, _ in scheduled]
-        if self.native is not None and all(count == 1 for _, count in scheduled):
-            columns = self.block_tables.table.shape[1]
-            return self._decode_inputs(DecodeBatch.of(scheduled, reqs, columns))
         counts = np.fromiter((count for _, count in scheduled), np.int64, n)
         starts = np.fromiter((r.num_computed for r in reqs), np.int64, n)
         ends = starts + counts
@@ -187,14 +200,24 @@ class ModelRunner:
             sample_rows, reqs, sample_reqs,
         )  # fmt: skip
 
-    def _decode_inputs(self, batch: DecodeBatch) -> StepInputs:
-        """prepare() for one token per request: the numbers in kernels/cpu_step_inputs.c (a
-        dozen fewer numpy calls, each slow on the caches the last step streamed through)."""
+    def _decode_inputs(self, scheduled, last: DecodeBatch | None) -> StepInputs | None:
+        """prepare() for one token per request, through the fast path: the numbers in C
+        (kernels/cpu/csrc/cpu_step_inputs.c: one call where numpy makes a dozen, each slow on
+        the caches the last step streamed through), from the last step's (DecodeBatch) when it
+        decoded the same requests; None for a step that is not decodes alone."""
         table = self.block_tables.table
+        if last is not None and scheduled == last.scheduled:
+            last.grew(self.grown)
+            batch = last
+        elif all(count == 1 for _, count in scheduled):
+            reqs = [self.requests[rid] for rid, _ in scheduled]
+            batch = DecodeBatch.of(scheduled, reqs, table.shape[1], self.fast_path)
+        else:
+            return None
         if table.shape[1] > batch.inputs.columns:  # the block tables grew a column
-            batch.inputs = native.DecodeInputs(batch.numbers, table.shape[1])
+            batch.inputs = self.fast_path.decode_inputs(batch.numbers, table.shape[1])
         inputs = batch.inputs
-        past = batch.fill(self.native, table, self.block_size)
+        past = batch.fill(table, self.block_size)
         if past is not None:
             numbers = batch.numbers[past]
             raise self._past_blocks(batch.scheduled[past][0], int(numbers[0]) + 1, int(numbers[1]))
@@ -233,7 +256,7 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step (in inference mode: the Worker's forward thread is in it throughout, as
-        entering and leaving it cost ~40 us a step on the caches a step leaves)."""
+        entering and leaving it every step is slow on the cold caches a step leaves)."""
         if torch.is_inference_mode_enabled():
             return self._execute(plan)
         with torch.inference_mode():
@@ -251,11 +274,11 @@ class ModelRunner:
         with self._on_compute_stream():
             inputs = self.prepare(scheduled)
             prepared = self._clock()
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            hidden = self._forward(inputs)
             forwarded = self._clock()
             tokens, token_tensor, logprobs, logits_done = self._sample(hidden, inputs, forwarded)
             prompt_logprobs = self.prompt_logprobs.compute(
-                self.model, hidden, scheduled, self.requests
+                self.compute_logits, hidden, scheduled, self.requests
             )
         for request, (_, count) in zip(inputs.requests, scheduled):
             request.num_computed += count
@@ -279,14 +302,21 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
         )
 
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's hidden states: the fast path's decode stack where it serves the step, else
+        the model (the same numbers)."""
+        args = (inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = None if self.fast_path is None else self.fast_path.forward(*args)
+        return self.model(*args) if hidden is None else hidden
+
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs, forwarded: float | None):
         """-> the sampling rows' tokens, the same as a tensor where the LM head picked them all
         (else None), their logprobs ([] when none asked), and (tracing) when the LM head was
         done.
 
-        Rows that are plain greedy get their tokens from the LM head itself (Model.greedy_tokens,
-        where it serves) and make no logits; the others go through the logits and the sampler,
-        on their own rows."""
+        Rows that are plain greedy get their tokens from the LM head itself (the fast path's
+        greedy_tokens, where it serves) and make no logits; the others go through the logits and
+        the sampler, on their own rows."""
         rows = inputs.sample_rows
         if not rows:
             return [], None, [], forwarded
@@ -298,8 +328,8 @@ class ModelRunner:
             plain = [i for i, row in enumerate(rows) if is_plain_greedy(row)]
         every_plain = len(plain) == len(rows)
         fused = None
-        if plain:
-            fused = self.model.greedy_tokens(sampled if every_plain else sampled[plain])
+        if plain and self.fast_path is not None:
+            fused = self.fast_path.greedy_tokens(sampled if every_plain else sampled[plain])
         if fused is None:  # no plain row, or no fused head on this device
             plain = []
         elif every_plain:
@@ -312,7 +342,7 @@ class ModelRunner:
         logits_done, logprobs = self._clock(), []
         if other:
             other_rows = [rows[i] for i in other]
-            logits = self.model.compute_logits(sampled[other])
+            logits = self.compute_logits(sampled[other])
             logits_done = self._clock()
             pending = start_sample_logprobs(logits, other_rows)  # raw distribution
             some = self.sampler(logits, other_rows)

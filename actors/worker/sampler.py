@@ -7,11 +7,11 @@ its tokens depend neither on the other requests in the batch nor on how many ste
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from ...kernels.cpu import argmax_rows
 from ...messages.common import SamplingParams
 from .logits_processors import PenaltyHistory, apply_logits_processors
 
@@ -62,9 +62,16 @@ def is_plain_greedy(row: SampleRow) -> bool:
     return row.plain_from is not None and row.num_output >= row.plain_from
 
 
+def first_maximum(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> [N] int64: the first maximum of each row."""
+    return logits.max(dim=-1).indices
+
+
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, argmax_rows: Callable[..., torch.Tensor] = first_maximum):
+        """`argmax_rows`: first_maximum's contract (the CPU fast path gives one in C)."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.argmax_rows = argmax_rows
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
         """logits [N, vocab] float32 on any device -> N token ids."""
@@ -73,7 +80,7 @@ class Sampler:
             if row.masks_stop_tokens:
                 logits[i, row.stop_token_ids] = float("-inf")
         logits = apply_logits_processors(logits, rows)  # penalties, logit_bias (if any asks)
-        tokens = argmax_rows(logits).cpu()  # the first maximum of each row
+        tokens = self.argmax_rows(logits).cpu()  # the first maximum of each row
         if all(r.params.temperature == 0.0 for r in rows):
             return tokens.tolist()
         random_rows = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]

@@ -48,10 +48,12 @@ def available_memory_bytes() -> int:
 
 def build_runner(cfg: EngineConfig):
     """Load the model, allocate the KV cache (`num_kv_blocks`, else as many blocks as the memory
-    budget holds), make the ModelRunner: what the Worker serves with (scripts/bench_step.py
-    measures the same one)."""
+    budget holds), hand both to the CPU fast path where it serves, make the ModelRunner: what the
+    Worker serves with (scripts/bench_step.py measures the same one)."""
     import torch
 
+    from ...kernels.cpu.fast_path import CpuFastPath
+    from ...kernels.elementwise import TORCH_ELEMENTWISE
     from .kv_cache import KVCache
     from .loader import load_model
     from .runner import ModelRunner
@@ -65,8 +67,10 @@ def build_runner(cfg: EngineConfig):
         "bfloat16": torch.bfloat16,
         "float16": torch.float16,
     }[cfg.dtype]
-    ops = attention_ops(device, cfg.attention_backend)
-    model, shape = load_model(cfg.model, device, dtype, ops)
+    fast_path = CpuFastPath.create(cfg, device)  # None: plain torch (off, not CPU, no compiler)
+    ops = attention_ops(device, cfg.attention_backend, c_kernels=fast_path is not None)
+    elementwise = TORCH_ELEMENTWISE if fast_path is None else fast_path.elementwise
+    model, shape = load_model(cfg.model, device, dtype, ops, elementwise)
     layout = (shape.num_layers, cfg.block_size, shape.num_kv_heads, shape.head_dim)
     block_bytes = KVCache.block_bytes(*layout, dtype)
     num_blocks = cfg.num_kv_blocks or max(1, kv_budget_bytes(cfg, device) // block_bytes)
@@ -75,13 +79,16 @@ def build_runner(cfg: EngineConfig):
         num_cpu_blocks = num_blocks if cfg.preemption_mode == "swap" else 0
     kv = KVCache(
         shape.num_layers, num_blocks, num_cpu_blocks, cfg.block_size, shape.num_kv_heads,
-        shape.head_dim, dtype, device,
+        shape.head_dim, dtype, device, None if fast_path is None else fast_path.zeros,
     )  # fmt: skip
+    if fast_path is not None:
+        fast_path.prepare(model, kv.layers)
     logging.getLogger(Worker.name).info(
-        "model %s on %s (%s, %d threads, attention %s): %d KV blocks of %d tokens",
-        cfg.model, device, dtype, torch.get_num_threads(), ops.name, num_blocks, cfg.block_size,
+        "model %s on %s (%s, %d threads, attention %s, CPU fast path %s): %d KV blocks of %d "
+        "tokens", cfg.model, device, dtype, torch.get_num_threads(), ops.name,
+        "on" if fast_path is not None else "off", num_blocks, cfg.block_size,
     )  # fmt: skip
-    return ModelRunner(cfg, model, kv, device)
+    return ModelRunner(cfg, model, kv, device, fast_path)
 
 
 def kv_budget_bytes(cfg: EngineConfig, device) -> int:
@@ -105,8 +112,7 @@ class Worker(Actor):
         # Every torch computation of this process runs on the one "forward" thread, the loading
         # included. Were the event loop's thread to run OpenMP work too, it would keep an OpenMP
         # team of its own; with more OpenMP threads than cores, libgomp stops spin-waiting between
-        # parallel regions, and every op then pays a futex wake-up (decode steps measured ~25%
-        # slower on 2 cores).
+        # parallel regions, and every op then pays a futex wake-up.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self.loop = asyncio.get_running_loop()
         await self.loop.run_in_executor(self.executor, self._build)

@@ -2,9 +2,12 @@
 
 The step is flat: T tokens from B sequences, laid out sequence after sequence. Attention goes
 through `ops` (kernels.attention_ops): store_kv writes this step's K/V into the paged cache, then
-paged_attention reads each sequence's whole context back through its block table. Parameter names
-follow Hugging Face's, except the fused `qkv_proj` (rows q, k, v) and `gate_up_proj` (rows gate,
-up); the loader concatenates the checkpoint's tensors to match.
+paged_attention reads each sequence's whole context back through its block table. The norms,
+rope and SiLU-and-multiply go through `elementwise` (kernels.elementwise.ElementwiseOps: plain
+torch unless a backend gives its own, as the CPU fast path does). Nothing here knows a backend:
+the CPU fast path (kernels/cpu/fast_path.py) lays out and packs these weights itself. Parameter
+names follow Hugging Face's, except the fused `qkv_proj` (rows q, k, v) and `gate_up_proj` (rows
+gate, up); the loader concatenates the checkpoint's tensors to match.
 """
 
 from __future__ import annotations
@@ -16,17 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actorserve.kernels import AttentionOps, native
-from actorserve.kernels.cpu import GreedyHead, PanelLinear
-from actorserve.kernels.decode_stack import DecodeStack, StackLayer, StackShape
-from actorserve.kernels.elementwise import rms_norm, rope, silu_mul
-from actorserve.kernels.screened_head import ScreenedGreedyHead, ScreenedHead
-from actorserve.kernels.screened_head_int8 import Int8ScreenedHead
+from actorserve.kernels import AttentionOps
+from actorserve.kernels.elementwise import TORCH_ELEMENTWISE, ElementwiseOps
 
 from ...model_config import ModelConfig, RopeScaling
-
-PACK_ROWS = 64  # oneDNN's packing hint for the LM head: a step's sampling rows
-PANEL_ROWS = 128  # at most this many rows, a projection uses its packed panels (CPU)
 
 
 class AttentionMetadata(NamedTuple):
@@ -45,14 +41,15 @@ class AttentionMetadata(NamedTuple):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, elementwise: ElementwiseOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.rms_norm = elementwise.rms_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x -> normed x; with the residual stream: (normed(x + residual), x + residual)."""
-        normed, summed = rms_norm(x, residual, self.weight, self.eps)
+        normed, summed = self.rms_norm(x, residual, self.weight, self.eps)
         return normed if residual is None else (normed, summed)
 
 
@@ -79,7 +76,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 class RotaryEmbedding(nn.Module):
     """Tables [max_position_embeddings, head_dim] in float32, built once, laid out for
-    `apply_rope`: cos = [c, c], sin = [-s, s] (c, s = cos, sin of position x inv_freq)."""
+    ElementwiseOps.rope: cos = [c, c], sin = [-s, s] (c, s = cos, sin of position x inv_freq)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -107,43 +104,20 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotation of x [T, H, D], as Hugging Face's Llama: with x = [x1, x2] (halves),
-    [x1 * c - x2 * s, x2 * c + x1 * s] = x * [c, c] + [x2, x1] * [-s, s] (the tables' layout);
-    in C on CPU (kernels/elementwise.py)."""
-    return rope(x, cos, sin)
-
-
-class Projection(nn.Linear):
-    """A layer's Linear; after pack_for_cpu(), batches of at most PANEL_ROWS rows (decode
-    steps) go through kernels.cpu.PanelLinear, larger ones (prefill) through MKL as before."""
-
-    panel: PanelLinear | None = None
-
-    def pack_for_cpu(self) -> None:
-        """fp32 on CPU and without bias: keep a packed copy of the weight (else no change)."""
-        if self.bias is None:
-            self.panel = PanelLinear.for_weight(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panel is not None and x.shape[0] <= PANEL_ROWS and x.dtype == torch.float32:
-            return self.panel(x)
-        return F.linear(x, self.weight, self.bias)
-
-
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: AttentionOps) -> None:
+    def __init__(self, config: ModelConfig, ops: AttentionOps, elementwise: ElementwiseOps):
         super().__init__()
         self.ops = ops
+        self.rope = elementwise.rope  # neox-style, the tables' layout: see RotaryEmbedding
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.sizes = [config.q_size, config.kv_size, config.kv_size]
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = Projection(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
-        self.o_proj = Projection(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, elementwise)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, elementwise)
         else:
             self.q_norm = self.k_norm = None
 
@@ -161,7 +135,7 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # each contiguous, as attention reads q
+        q, k = self.rope(q, *rope), self.rope(k, *rope)  # each contiguous, as attention reads q
         k_cache, v_cache = kv_cache
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(
@@ -171,22 +145,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, elementwise: ElementwiseOps) -> None:
         super().__init__()
-        self.gate_up_proj = Projection(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Projection(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.silu_mul = elementwise.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: AttentionOps) -> None:
+    def __init__(self, config: ModelConfig, ops: AttentionOps, elementwise: ElementwiseOps):
         super().__init__()
-        self.self_attn = Attention(config, ops)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, ops, elementwise)
+        self.mlp = MLP(config, elementwise)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, elementwise)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, elementwise)
 
     def forward(
         self,
@@ -209,30 +185,34 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, ops: AttentionOps) -> None:
+    def __init__(self, config: ModelConfig, ops: AttentionOps, elementwise: ElementwiseOps):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, ops, elementwise) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, elementwise)
 
 
 class CausalLM(nn.Module):
     """Decoder + LM head. With tied embeddings there is no `lm_head`; the embedding serves."""
 
-    def __init__(self, config: ModelConfig, ops: AttentionOps) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: AttentionOps,
+        elementwise: ElementwiseOps = TORCH_ELEMENTWISE,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, ops)
+        self.elementwise = elementwise
+        self.model = DecoderModel(config, ops, elementwise)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        self._packed_lm_head: torch.Tensor | None = None  # see pack_lm_head_for_cpu
-        self._greedy_head: GreedyHead | ScreenedHead | None = None
-        self.decode_stack: DecodeStack | None = None  # see pack_decode_stack_for_cpu
-        self._stack_kv_caches: list | None = None  # the caches the decode stack writes
 
     def forward(
         self,
@@ -244,14 +224,7 @@ class CausalLM(nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden] after the final norm.
 
         kv_caches[layer] = (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, D].
-        A step of decodes alone (one token per sequence, at most PANEL_ROWS) goes through the
-        decode stack in one call where it was packed over these caches, with the same result.
         """
-        stack = self.decode_stack is not None and kv_caches is self._stack_kv_caches
-        if stack and input_ids.shape[0] <= PANEL_ROWS:  # the stack checks one token a sequence
-            hidden = self.decode_stack(input_ids, positions, *meta)
-            if hidden is not None:
-                return hidden
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary(positions, h.dtype)
         residual = None
@@ -259,108 +232,10 @@ class CausalLM(nn.Module):
             h, residual = layer(h, residual, rope, kv_cache, meta)
         return self.model.norm(h, residual)[0]
 
-    def use_column_major_weights(self) -> None:
-        """Store each projection's weight [out, in] column-major (its transpose contiguous).
-
-        For x @ W.T, CPU GEMM (MKL) is up to 2x faster at decode sizes (a few rows against the
-        lm_head) and 10-25% faster on the layers' small-batch projections when W.T is row-major;
-        prefill-sized products are unchanged. Names, shapes and values stay the same. The tied
-        embedding is left as it is (its rows are looked up)."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.data = module.weight.data.t().contiguous().t()
-
-    def pack_projections_for_cpu(self) -> None:
-        """Give each decoder projection its packed panels (Projection.pack_for_cpu)."""
-        for module in self.modules():
-            if isinstance(module, Projection):
-                module.pack_for_cpu()
-
-    def pack_decode_stack_for_cpu(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-        """Let decode steps run the whole decoder in one C call (kernels.decode_stack), over these
-        KV caches. Only after pack_projections_for_cpu, with the `cpu` attention backend, where
-        every projection has its panels (no biases) and there is no q/k norm; else nothing
-        changes. Returns whether it serves."""
-        attentions = [layer.self_attn for layer in self.model.layers]
-        projections = [m for m in self.modules() if isinstance(m, Projection)]
-        lib = native.load()
-        if (
-            lib is None
-            or any(a.ops.name != "cpu" or a.q_norm is not None for a in attentions)
-            or any(p.panel is None for p in projections)
-        ):
-            return False
-        c = self.config
-        shape = StackShape(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-            c.rms_norm_eps, attentions[0].scale,
-        )  # fmt: skip
-        layers = [
-            StackLayer(
-                layer.input_layernorm.weight.data,
-                layer.post_attention_layernorm.weight.data,
-                layer.self_attn.qkv_proj.panel.panels,
-                layer.self_attn.o_proj.panel.panels,
-                layer.mlp.gate_up_proj.panel.panels,
-                layer.mlp.down_proj.panel.panels,
-                *kv_cache,
-            )
-            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True)
-        ]
-        embed = self.model.embed_tokens.weight.data
-        tables = (self.rotary.cos, self.rotary.sin)
-        try:
-            self.decode_stack = DecodeStack(
-                lib, shape, embed, tables, self.model.norm.weight.data, layers
-            )
-        except ValueError:  # a tensor not fp32 or not contiguous
-            return False
-        self._stack_kv_caches = kv_caches
-        return True
-
-    def pack_lm_head_for_cpu(self) -> bool:
-        """Keep packed copies of the LM head weight for the CPU (fp32; elsewhere nothing changes):
-
-        - one for greedy_tokens: the LM head with the argmax fused in (kernels.cpu.GreedyHead),
-          a third less time than the GEMM and a separate argmax at a step's rows; where the CPU
-          has AMX, behind an int8 screen with the same tokens (Int8ScreenedHead: an int8 copy
-          of the weight and a row-major one more), else where it has bf16 arithmetic behind a
-          bf16 screen (ScreenedGreedyHead, a bf16 copy and a row-major one);
-        - one for compute_logits: from 8 to a few hundred rows oneDNN's packed fp32 GEMM is
-          10-20% faster than MKL on the plain weight at the demo's [32000, 256], with the same
-          result; one or two rows stay faster unpacked. It is torch's private op (what
-          torch.compile's CPU freezing uses): where it is missing, compute_logits stays on MKL.
-        Each costs a copy of the weight. Returns whether compute_logits has the oneDNN one."""
-        weight = self._lm_head_weight()
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
-            return False
-        exact = GreedyHead.for_weight(weight)
-        self._greedy_head = (
-            Int8ScreenedHead.for_weight(weight, exact)
-            or ScreenedGreedyHead.for_weight(weight, exact)
-            or exact
-        )
-        if not torch.backends.mkldnn.is_available():
-            return False
-        try:
-            self._packed_lm_head = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
-        except (AttributeError, RuntimeError):
-            return False
-        return True
-
-    def _lm_head_weight(self) -> torch.Tensor:
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the LM head's weight, or the embedding's where they are tied."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [N, hidden] -> [N] int64, the first maximum of each row's logits (what
-        compute_logits then an argmax gives), or None where no fused head serves."""
-        if self._greedy_head is None or hidden.dtype != torch.float32:
-            return None
-        return self._greedy_head(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
-        packed = self._packed_lm_head
-        if packed is not None and hidden.shape[0] > 2 and hidden.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [], "")
-        return F.linear(hidden, self._lm_head_weight()).float()
+        return F.linear(hidden, self.lm_head_weight()).float()

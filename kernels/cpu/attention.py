@@ -1,6 +1,7 @@
-"""Paged attention for serving on CPU: the reference's semantics (kernels/reference.py). Where the
-machine has a C compiler, every row goes to the C kernels, which read K/V straight from the cache
-blocks: decodes to kernels/cpu_decode.c, prefill chunks to kernels/cpu_prefill.c. Otherwise the
+"""Paged attention for serving on CPU (the `cpu` backend): the reference's semantics
+(kernels/reference.py). Where the machine has a C compiler, every row goes to the C kernels, which
+read K/V straight from the cache blocks: decodes to csrc/cpu_decode.c, prefill chunks to
+csrc/cpu_prefill.c. Otherwise the
 torch path below, built from torch's fused CPU attention (`scaled_dot_product_attention`,
 flash-style, GQA without copying K/V per query head), serves.
 
@@ -18,14 +19,13 @@ Prefill chunks run one sequence at a time, causal inside the chunk, full over th
 
 from __future__ import annotations
 
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from . import native, reference
-
-__all__ = ["CpuAttention", "GreedyHead", "PanelLinear", "argmax_rows", "store_kv"]
+from .. import reference
+from . import bindings
 
 DECODE_GROUP = 16  # decode rows per attention call (sorted by length, padded within the group)
 
@@ -95,11 +95,11 @@ def _prefills(block_tables, lens, starts, block_size: int) -> list[_Prefill]:
 class CpuAttention:
     """The `cpu` backend's paged attention. Holds the last step's layout (every layer of a step
     passes the same metadata) and, where the machine can build them, the C kernels (via
-    kernels/native.py): decodes and prefill chunks then read K/V straight from the cache
+    kernels/cpu/bindings.py): decodes and prefill chunks then read K/V straight from the cache
     blocks; without them decodes take the grouped torch path above and prefill chunks SDPA."""
 
     def __init__(self, use_native: bool = True) -> None:
-        self.native = native.load() if use_native else None
+        self.native = bindings.load() if use_native else None
         self._key: tuple[int, tuple[torch.Tensor, ...]] | None = None
         self._layout = _Layout([], [])
 
@@ -129,9 +129,9 @@ class CpuAttention:
         meta = [t.to(torch.int32).contiguous() for t in (block_tables, seq_lens, query_start_loc)]
         q = q.contiguous()
         out = torch.empty_like(q)  # contiguous, as the kernels write it
-        native.paged_attention(self.native, "decode", q, k_cache, v_cache, *meta, scale, out)
+        bindings.paged_attention(self.native, "decode", q, k_cache, v_cache, *meta, scale, out)
         if q.shape[0] != seq_lens.shape[0]:  # not one token per sequence: prefill chunks too
-            native.paged_attention(self.native, "prefill", q, k_cache, v_cache, *meta, scale, out)
+            bindings.paged_attention(self.native, "prefill", q, k_cache, v_cache, *meta, scale, out)
         return out
 
     def paged_attention(
@@ -183,56 +183,12 @@ def _grouped_decode(q, k_cache, v_cache, g: _DecodeGroup, scale: float, gqa: boo
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """[N, V] -> [N] int64, the first maximum of each row (as logits.max(dim=-1).indices): in C
-    (kernels/cpu_argmax.c, one pass, ~3x faster at a step's logits) for fp32 CPU logits."""
-    lib = native.library_for(logits) if logits.shape[-1] > 0 else None
+    (csrc/cpu_argmax.c: one pass over the logits, where torch's max makes values and indices)
+    for fp32 CPU logits."""
+    lib = bindings.library_for(logits) if logits.shape[-1] > 0 else None
     if lib is not None:
-        return native.argmax_rows(lib, logits)
+        return bindings.argmax_rows(lib, logits)
     return logits.max(dim=-1).indices
-
-
-_Packed = TypeVar("_Packed", bound="PanelWeight")
-
-
-class PanelWeight:
-    """A weight [N, K] (any layout) packed once into the panels kernels/cpu_panel_gemm.c reads,
-    for fp32 products with decode-sized batches on CPU. Holds the copy."""
-
-    def __init__(self, lib, weight: torch.Tensor):
-        self._lib = lib
-        self.out_features = weight.shape[0]
-        self.panels = native.pack_panels(lib, weight)
-
-    @classmethod
-    def for_weight(cls: type[_Packed], weight: torch.Tensor) -> _Packed | None:
-        """None where it cannot serve (not fp32 on CPU, no C compiler)."""
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
-            return None
-        lib = native.load()
-        return cls(lib, weight) if lib is not None else None
-
-    @staticmethod
-    def _rows(x: torch.Tensor) -> torch.Tensor:
-        return x if x.stride(-1) == 1 else x.contiguous()
-
-
-class GreedyHead(PanelWeight):
-    """An fp32 LM head with greedy sampling fused in: hidden rows -> the first maximum of each
-    row's logits, which are never written. At a step's 64 rows and a 32000-word vocabulary it
-    takes about a third less time than the GEMM plus argmax_rows."""
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] fp32 -> [N] int64 token ids."""
-        return native.greedy_head(self._lib, self._rows(hidden), self.panels, self.out_features)
-
-
-class PanelLinear(PanelWeight):
-    """x @ weight.T for decode-sized x (tens of rows): the kernel streams the next panel from
-    memory while it computes this one, where MKL stalls on weights the step's K/V stream has
-    evicted from cache."""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] fp32 -> [M, N]."""
-        return native.panel_linear(self._lib, self._rows(x), self.panels, self.out_features)
 
 
 def store_kv(
@@ -242,14 +198,14 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """kernels.reference.store_kv's contract; in C (kernels/cpu_store_kv.c) for fp32 caches."""
+    """kernels.reference.store_kv's contract; in C (csrc/cpu_store_kv.c) for fp32 caches."""
     tensors = (k, v, k_cache, v_cache)
     fits = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
     fits = fits and k_cache.is_contiguous() and v_cache.is_contiguous()
     fits = fits and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
     fits = fits and k.shape[1:] == v.shape[1:] == k_cache.shape[2:]  # the rows the C copies
-    lib = native.load() if fits and slot_mapping.dtype == torch.int64 else None
+    lib = bindings.load() if fits and slot_mapping.dtype == torch.int64 else None
     if lib is None:
         reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
         return
-    native.store_kv(lib, k, v, k_cache, v_cache, slot_mapping.contiguous())
+    bindings.store_kv(lib, k, v, k_cache, v_cache, slot_mapping.contiguous())

@@ -7,20 +7,19 @@
  * sits at position L - n + j and attends to positions 0 .. L - n + j: the cached prefix and the
  * chunk up to itself (causal).
  *
- * Why C: torch's SDPA ran these at ~56 GFLOP/s (fp32, contexts of 16-512 tokens, head_dim 64)
- * after K/V were gathered out of the cache blocks into copies. Here a work item is a tile of up
- * to TILE consecutive tokens of one chunk, one KV head and its G query heads: each VW-token chunk
- * of K (then V) is read from the cache once per item and used by all TILE x G query rows while it
- * is in L1, and each row stops at its own causal length. Per row the arithmetic is the decode
- * kernel's (cpu_attention.h: scores by transpose-add, exact-max softmax, exp-weighted V), so a
- * row's result is what the decode kernel gives for that token. Items go longest context first
- * (dynamic schedule), so the threads finish together.
+ * Why C: torch's SDPA needs K/V gathered out of the cache blocks into copies first, and at
+ * these short fp32 contexts it runs far below the machine's arithmetic rate. Here a work item is
+ * a tile of up to TILE consecutive tokens of one chunk, one KV head and its G query heads: each
+ * VW-token chunk of K (then V) is read from the cache once per item and used by all TILE x G
+ * query rows while it is in L1, and each row stops at its own causal length. Per row the
+ * arithmetic is the decode kernel's (cpu_attention.h: scores by transpose-add, exact-max softmax,
+ * exp-weighted V), so a row's result is what the decode kernel gives for that token. Items go
+ * longest context first (dynamic schedule), so the threads finish together.
  *
  * Scores: where the head size is a multiple of VW, each chunk of K is transposed once per item
  * and scored against ROWS_T query rows at a time with the transpose-add's sums done across
  * vectors instead of lanes (chunk_scores_t): the same sums in the same order, without its
- * shuffles per row. Measured (one thread, a 16-token tile at the end of 512): 131.6 -> 96.0 us,
- * the scores' part 79 -> 45 us; the demo workload's prefill steps 26 -> 22 ms a layer.
+ * shuffles per row, which were most of the scores' instructions.
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -1,124 +1,31 @@
-"""Build and load the CPU kernels in C, one library: kernels/cpu_decode.c and cpu_prefill.c
-(decode and prefill attention reading the paged cache directly, with cpu_attention.h),
-cpu_store_kv.c (writing this step's K/V into it), cpu_argmax.c
-(greedy sampling's argmax), cpu_panel_gemm.c (decode-sized products against weights packed in
-panels: the projections' Linear, and the LM head with that argmax fused), cpu_elementwise.c
-(fused RMSNorm with its residual add, SiLU-and-multiply, RoPE) and cpu_decode_stack.c (a whole
-decode step through those kernels in one call; cpu_step_inputs.c, a decode step's flat inputs;
-cpu_screen.c, greedy tokens from screened bf16 logits; cpu_screen_int8.c, the same from an
-int8 screen on AMX), with cpu_vec.h and cpu_kernels.h.
+"""The C library's ctypes signatures, and one typed wrapper per kernel.
 
-Built with the machine's C compiler on first use (under a second on gcc) into a per-user cache,
-named by a hash of the source, the flags, the compiler and the CPU, so a changed file or another
-machine never loads a stale library (a new build removes the older ones). The library is linked
-against the OpenMP runtime that torch already has loaded (libgomp.so.1 is matched by soname), so
-the kernel and torch share one thread pool. Where there is no compiler, or the build fails,
-`load()` returns None and the callers (kernels/cpu.py, kernels/elementwise.py) keep their torch
-paths; the reason is logged once.
+`load()` builds (build.py) and loads the library once per process, declaring every function's
+argument and result types; None where there is no compiler, the build fails or the platform is
+not Linux, with the reason logged once (the fast path then stays off: kernels/cpu/fast_path.py).
+Each wrapper below takes torch tensors, checks nothing the caller already guarantees (its
+docstring says what it expects) and raises on a kernel's error status.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shlex
-import shutil
 import subprocess
-import tempfile
-from pathlib import Path
 
-import numpy as np
 import torch
 
-from . import huge_pages
+from . import build, huge_pages
 
 log = logging.getLogger(__name__)
-
-HERE = Path(__file__).parent
-SOURCES = tuple(
-    HERE / name
-    for name in (
-        "cpu_decode.c",
-        "cpu_prefill.c",
-        "cpu_argmax.c",
-        "cpu_panel_gemm.c",
-        "cpu_elementwise.c",
-        "cpu_store_kv.c",
-        "cpu_decode_stack.c",
-        "cpu_step_inputs.c",
-        "cpu_screen.c",
-        "cpu_screen_int8.c",
-    )
-)
-HEADERS = (HERE / "cpu_vec.h", HERE / "cpu_kernels.h", HERE / "cpu_attention.h")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm")
-CACHE_ENV = "ACTORSERVE_KERNEL_CACHE"
-
-
-def cache_dir() -> Path:
-    """$ACTORSERVE_KERNEL_CACHE, else $XDG_CACHE_HOME/actorserve/kernels (~/.cache/...)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "actorserve" / "kernels"
-
-
-def _cpu_model() -> str:
-    """The first CPU's model name and feature flags (they decide what -march=native emits)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().split("\n\n", 1)[0].splitlines()
-    except OSError:
-        return platform.processor()
-    return "\n".join(line for line in lines if line.startswith(("model name", "flags")))
-
-
-def build() -> Path | None:
-    """Compile the sources (or find them compiled) -> the library's path; None without a compiler.
-
-    Raises RuntimeError when the compiler fails."""
-    given = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if given is None or platform.system() != "Linux":
-        return None
-    compiler = shlex.split(given)  # CC may carry words: "ccache gcc"
-    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        "\0".join(
-            [
-                *(f.read_text() for f in SOURCES + HEADERS),
-                *FLAGS,
-                version,
-                platform.machine(),
-                _cpu_model(),
-            ]
-        ).encode()
-    ).hexdigest()[:16]
-    target = cache_dir() / f"cpu_kernels-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        command = [*compiler, *map(str, SOURCES), "-o", str(built), *FLAGS]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{given} failed: {result.stderr.strip()[-2000:]}")
-        os.replace(built, target)  # atomic: concurrent builders each install a whole file
-    for stale in target.parent.glob("cpu_kernels-*.so"):
-        if stale != target:  # a process that loaded it keeps its mapping
-            stale.unlink(missing_ok=True)
-    return target
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None (no compiler, a failed build, not Linux), said once."""
     try:
-        path = build()
+        path = build.build()
         if path is None:
             log.warning("no C compiler: the CPU kernels stay on their torch paths")
             return None
@@ -219,15 +126,15 @@ def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def pack_panels(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+def pack_panels(lib: ctypes.CDLL, weight: torch.Tensor, huge: bool = True) -> torch.Tensor:
     """A weight [N, K] (any layout) -> the panels cpu_panel_gemm.c reads: [ceil(N / NR), K, NR]
     with panel p, element (i, j) = weight[p * NR + j, i], zero past N (NR: the library's
-    width)."""
+    width); on huge pages where `huge` (every decode step streams them)."""
     width = lib.panel_width()
     rows, cols = weight.shape
     padded = torch.zeros(-(-rows // width) * width, cols, dtype=torch.float32)
     padded[:rows] = weight
-    panels = huge_pages.empty((padded.shape[0] // width, cols, width), torch.float32)
+    panels = huge_pages.empty((padded.shape[0] // width, cols, width), torch.float32, huge)
     return panels.copy_(padded.view(-1, width, cols).transpose(1, 2))
 
 
@@ -409,59 +316,3 @@ def store_kv(
     )
     if status != 0:
         raise IndexError(f"store_kv: a slot lies past the cache's {k_cache.shape[0]} blocks")
-
-
-class DecodeInputs:
-    """A step of decodes' flat inputs (see cpu_step_inputs.c) from `requests` [n, 4] int64
-    C-contiguous (tokens computed, blocks held, block table row, the token at that position),
-    for requests of at most `columns` blocks: buffers, and the torch tensors viewing them
-    (input_ids, positions, slots [n] int64; seq_lens [n], query_start_loc [n + 1], tables
-    [n, width] int32, rows `columns` apart). `fill` rewrites them in place, so a step that reuses
-    the object makes no arrays; the pointers are taken once (each `.ctypes` costs tens of us on
-    the caches a step leaves)."""
-
-    def __init__(self, requests: np.ndarray, columns: int):
-        n = requests.shape[0]
-        self.n, self.columns, self.width = n, columns, 0
-        self._requests = requests  # kept alive: the C call writes to it through the pointer
-        self._requests_data = requests.ctypes.data
-        self._table: np.ndarray | None = None
-        self._table_data = 0
-        self._out64 = np.empty(3 * n, dtype=np.int64)
-        self._out32 = np.empty(n * columns + 2 * n + 1, dtype=np.int32)
-        out64, out32 = torch.from_numpy(self._out64), torch.from_numpy(self._out32)
-        self.input_ids, self.positions, self.slots = out64[:n], out64[n : 2 * n], out64[2 * n :]
-        self._all_tables = out32[: n * columns].view(n, columns)
-        self.tables = self._all_tables[:, :0]
-        self.seq_lens = out32[n * columns : n * columns + n]
-        self.query_start_loc = out32[n * columns + n :]
-        p64, p32 = self._out64.ctypes.data, self._out32.ctypes.data
-        self._outputs = (
-            p64, p64 + 8 * n, p64 + 16 * n, p32, columns, p32 + 4 * n * columns,
-            p32 + 4 * (n * columns + n),
-        )  # fmt: skip
-
-    def fill(
-        self,
-        lib: ctypes.CDLL,
-        table: np.ndarray,
-        block_size: int,
-        next_tokens: torch.Tensor | None = None,
-    ) -> int | None:
-        """table [rows, columns] int32 C-contiguous -> None, or the index of the first request
-        whose token lies past its blocks (the outputs are then invalid). next_tokens [n] int64
-        contiguous: each request first moves on by that token (one more computed, the token its
-        next), in `requests` too."""
-        if table.shape[1] > self.columns:
-            raise ValueError(f"a block table of {table.shape[1]} columns in {self.columns}")
-        if table is not self._table:  # the block tables grew a new array
-            self._table, self._table_data = table, table.ctypes.data
-        status = lib.decode_inputs(
-            self._requests_data, self.n, self._table_data, table.shape[1], block_size,
-            *self._outputs, None if next_tokens is None else next_tokens.data_ptr(),
-        )  # fmt: skip
-        if status < 0:
-            return -1 - status
-        if status != self.width:
-            self.width, self.tables = status, self._all_tables[:, :status]
-        return None

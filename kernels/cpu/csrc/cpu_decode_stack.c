@@ -4,11 +4,11 @@
  * same values, so the hidden states are the same to the bit.
  *
  * Why: a decode step streams the KV cache and the weights through the caches (tens of MB), and
- * each of the ~50 Python calls between the kernels then runs on a cold interpreter, 3-15x slower
- * than on a warm one: about a millisecond of a 12 ms step at 64 sequences. Here there is none.
+ * each of the dozens of Python calls between the kernels then runs on a cold interpreter, several
+ * times slower than on a warm one. Here there is none.
  *
  * Serves steps whose every sequence computes one token (T tokens = T sequences), with panels for
- * every projection (no biases) and no q/k norm; the caller checks (kernels/cpu.py DecodeStack).
+ * every projection (no biases) and no q/k norm; the caller checks (kernels/cpu/fast_path.py).
  * Per layer, with s the residual stream (x + residual, kept in `res`):
  *   x = rms_norm(h [+ res])                  the first layer: res = h
  *   qkv = x @ Wqkv.T                         [T, (Hq + 2 Hkv) D], rows q heads, k heads, v heads
@@ -177,12 +177,10 @@ static void split_rows(int64_t T, int parts, int64_t *bounds) {
  * barriers. A layer then costs two barriers instead of a fork and a join per kernel, and a row's
  * activations stay on the core that computes them, where each kernel used to share its work out
  * its own way (the GEMMs by columns, attention by sequence, the norms by rows) and hand the rows
- * over between the cores (a 64-row o_proj took 48 us on 2 threads, 53 us on one). Measured on
- * the 2-core VM (the Worker's step, alternated pairs): 64 decodes 8.31-8.80 -> 7.98-8.21 ms, 32
- * decodes 3.95-4.04 -> 3.71-3.74 ms, 40 about the same (5 row blocks for 2 threads). With fewer
- * rows each thread reading every weight costs more than that saves (24 decodes 2.97-3.15 ->
- * 3.16-3.34 ms), and each kernel shares its calls out as alone. Every kernel computes a row on
- * its own, so each row gets the same result, to the bit, either way.
+ * over between the cores, which at decode sizes barely gained on one core doing it all. With
+ * few rows a thread, each thread reading every weight costs more than the barriers save, so
+ * below MIN_ROWS_PER_THREAD each kernel shares its calls out as alone. Every kernel computes a
+ * row on its own, so each row gets the same result, to the bit, either way.
  * Returns 0; -1 when a scratch buffer could not be allocated; -2 when a slot lies past the cache;
  * -3 for a position past the rope tables; -4 for a token id past the vocabulary. On an error
  * `hidden` and the cache are incomplete. */

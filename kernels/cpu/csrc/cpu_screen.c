@@ -1,4 +1,4 @@
-/* Greedy sampling's argmax from screened logits (kernels/screened_head.py): each row of approx
+/* Greedy sampling's argmax from screened logits (kernels/cpu/screened_head.py): each row of approx
  * holds bf16 logits from a cheap product, each within bound_j = scale_r * col_norms[j] of the
  * fp32 logit the exact head computes (the caller proves the bound). Every column whose exact
  * logit can still be the row's maximum is a candidate:

@@ -1,11 +1,11 @@
-"""A whole decode step of the decoder in one C call (kernels/cpu_decode_stack.c): embedding, every
+"""A whole decode step of the decoder in one C call (csrc/cpu_decode_stack.c): embedding, every
 layer and the final norm, with no Python between the kernels.
 
-The kernels are those the model's torch code calls one at a time on CPU, in the same order, so
-the hidden states are the same to the bit. What it saves is the Python between them: a decode
-step streams the KV cache and the weights through the caches, and each of the ~50 calls of the
-layer-by-layer path then runs on a cold interpreter (about a millisecond of a 12 ms step at 64
-sequences on the 2-core machine).
+The kernels are those the model's layers call one at a time on CPU when the fast path serves
+them (panels, C elementwise ops, the `cpu` attention backend), in the same order, so the hidden
+states are the same to the bit. What it saves is the Python between them: a decode step streams
+the KV cache and the weights through the caches, and each of the dozens of calls of the
+layer-by-layer path then runs on a cold interpreter.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class _Model(ctypes.Structure):
 
 class StackLayer(NamedTuple):
     """One decoder layer's tensors: norm weights [hidden], projections as packed panels
-    (kernels.native.pack_panels: qkv rows q, k, v heads; gate_up rows gate, up), its KV cache."""
+    (bindings.pack_panels: qkv rows q, k, v heads; gate_up rows gate, up), its KV cache."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor

@@ -1,4 +1,4 @@
-/* Greedy tokens from an int8 screen of the LM head on AMX (kernels/screened_head_int8.py):
+/* Greedy tokens from an int8 screen of the LM head on AMX (kernels/cpu/screened_head_int8.py):
  * the products of int8 copies of the rows and the weight, exact in int32 on the tile unit, bound
  * every column's fp32 logit; the columns that can still be a row's maximum are computed exactly
  * (cpu_screen.c's first_max_exact), and the first maximum among them is greedy_head's token.

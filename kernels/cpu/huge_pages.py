@@ -4,17 +4,14 @@ A decode step streams every running sequence's K/V and every weight once: ~130 M
 checkpoint, some 32k pages of 4 KiB, each a TLB miss and a page walk. On 2 MiB pages the same
 bytes are ~65 TLB entries. The kernel hands out huge pages only where asked (`madvise` mode, the
 default here) and only on first touch, so a tensor is advised while empty and filled after.
-Measured on the engine's 1 GiB CPU pool (64 sequences, 95 MB of K/V over 4 layers, alternated
-in one process): decode attention 7.8 -> 6.0 ms with blocks in order, 10.6 -> 7.7 ms with
-blocks shuffled (a later repeat: 4.9 -> 4.7 ms; the gain depends on how the host backs the
-guest's memory). ACTORSERVE_THP=0 leaves every tensor on small pages (for A/B runs).
+How much it saves depends on how the host backs the guest's memory, so it is a setting:
+EngineConfig.transparent_huge_pages=False leaves every tensor on small pages (for A/B runs).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import sys
 
 import torch
@@ -25,7 +22,7 @@ MADV_HUGEPAGE = 14
 
 @functools.cache
 def _madvise():
-    if not sys.platform.startswith("linux") or os.environ.get("ACTORSERVE_THP", "1") == "0":
+    if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -36,11 +33,11 @@ def _madvise():
     return libc.madvise
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor whose whole 2 MiB-aligned pages are advised huge (best effort:
-    a kernel without THP, or a tensor under 2 MiB, just gets small pages)."""
+def empty(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = True) -> torch.Tensor:
+    """An uninitialised CPU tensor whose whole 2 MiB-aligned pages are advised huge where `huge`
+    (best effort: a kernel without THP, or a tensor under 2 MiB, just gets small pages)."""
     tensor = torch.empty(shape, dtype=dtype)
-    madvise = _madvise()
+    madvise = _madvise() if huge else None
     start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
     first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
     if madvise is not None and last > first:
@@ -48,5 +45,5 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return tensor
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return empty(shape, dtype).zero_()
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = True) -> torch.Tensor:
+    return empty(shape, dtype, huge).zero_()

@@ -2,13 +2,12 @@
 the bit: screen every column with a bf16 product, then compute exactly the few that can still be
 a row's maximum.
 
-Why: at a decode step's 64 rows the demo's fp32 LM head ([32000, 256]) is a third of the step
-(about 3.4 ms of compute), and at a few rows it streams 33 MB of weight. On CPUs with bf16
-arithmetic (AVX512-BF16, AMX) oneDNN does the same product in bf16 in about 0.8 ms at 64 rows
-and 0.55 ms at one, from a 16 MB weight.
+Why: at a decode step's rows the fp32 LM head (the demo's is [32000, 256]) is a large part of the
+step, and at a few rows it streams the whole fp32 weight. On CPUs with bf16 arithmetic
+(AVX512-BF16, AMX) oneDNN does the same product in bf16 from half the bytes, at a higher rate.
 
-Exactness. Let e_j be the fp32 logit the exact head (kernels.cpu.GreedyHead) computes for column
-j of a row a (hidden size k), and y_j the bf16 product's logit. With u = 2^-8 (bf16 rounding),
+Exactness. Let e_j be the fp32 logit the exact head (panels.GreedyHead) computes for column j of
+a row a (hidden size k), and y_j the bf16 product's logit. With u = 2^-8 (bf16 rounding),
 g = k 2^-24 / (1 - k 2^-24) (fp32 accumulation of k terms in any order) and P_j = sum |a_i w_ij|:
 
     |e_j - a.w_j|         <= g P_j                    (e_j: the exact head's FMA chain)
@@ -26,20 +25,19 @@ or too many candidates goes to the exact head.
 The derivation assumes the bf16 product accumulates in fp32 (oneDNN's contract for bf16
 matmul); at load, holds_its_bound checks it keeps within BOUND on random rows, which catches a
 product that does something else (not the worst case a bf16 accumulation could reach). Only
-where the CPU has bf16 arithmetic (elsewhere bf16 GEMMs are emulated, far slower than fp32), and
-not with ACTORSERVE_BF16_SCREEN=0 (for A/B runs).
+where the CPU has bf16 arithmetic (elsewhere bf16 GEMMs are emulated, far slower than fp32),
+unless EngineConfig.greedy_head_screen asks for it by name (kernels/cpu/lm_head.py).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
-from . import native
-from .cpu import GreedyHead
+from . import bindings
+from .panels import GreedyHead
 
 log = logging.getLogger(__name__)
 BOUND = 0.0128  # |y_j - e_j| <= BOUND |a| |w_j| (above)
@@ -71,7 +69,7 @@ class ScreenedHead:
         self._lib = lib
         self._exact = exact
         # [V, H] row-major: each candidate's row read in one stretch (a copy where the Linear
-        # keeps its weight column-major: read in place, 1.2 -> 1.7 ms a 64-row step)
+        # keeps its weight column-major, whose rows would be read a float per cache line)
         self._weight = weight.detach().contiguous()
 
     @property
@@ -107,10 +105,10 @@ class ScreenedGreedyHead(ScreenedHead):
     @classmethod
     def for_weight(cls, weight: torch.Tensor, exact: GreedyHead | None, force: bool = False):
         """The screened head over `exact`, or None where it cannot serve or would not be faster:
-        no exact head, no bf16 hardware (unless `force`), ACTORSERVE_BF16_SCREEN=0, no oneDNN,
-        a hidden size past MAX_HIDDEN, or a weight that is not finite."""
-        lib = native.load()
-        if exact is None or lib is None or os.environ.get("ACTORSERVE_BF16_SCREEN", "1") == "0":
+        no exact head, no bf16 hardware (unless `force`), no oneDNN, a hidden size past
+        MAX_HIDDEN, or a weight that is not finite."""
+        lib = bindings.load()
+        if exact is None or lib is None:
             return None
         if not (force or cpu_has_bf16()) or not torch.backends.mkldnn.is_available():
             return None
@@ -150,6 +148,6 @@ class ScreenedGreedyHead(ScreenedHead):
     def screen(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The bf16 logits, then cpu_screen.c (see ScreenedHead.screen)."""
         approx = self.approx_logits(hidden)
-        return native.screened_argmax(
+        return bindings.screened_argmax(
             self._lib, hidden, approx, self._weight, self._col_norms, FACTOR
         )

@@ -1,0 +1,105 @@
+"""Compile the CPU kernels in C (csrc/) into one shared library, cached per user.
+
+Built with the machine's C compiler ($CC, else cc or gcc) on first use into a per-user cache
+($ACTORSERVE_KERNEL_CACHE, else $XDG_CACHE_HOME/actorserve/kernels), named by a hash of the
+sources, the flags, the compiler and the CPU, so a changed file or another machine never loads a
+stale library (a new build removes the older ones). The library is linked against the OpenMP
+runtime that torch already has loaded (libgomp.so.1 is matched by soname), so the kernels and
+torch share one thread pool. The sources are found next to this module, so an editable install
+and a wheel both build from the files they ship (pyproject.toml's package-data).
+
+What each source holds: cpu_decode.c and cpu_prefill.c (decode and prefill attention reading the
+paged cache directly, with cpu_attention.h), cpu_store_kv.c (writing a step's K/V into it),
+cpu_argmax.c (greedy sampling's argmax), cpu_panel_gemm.c (decode-sized products against weights
+packed in panels: the projections, and the LM head with that argmax fused), cpu_elementwise.c
+(RMSNorm with its residual add, SiLU-and-multiply, RoPE), cpu_decode_stack.c (a whole decode step
+through those kernels in one call), cpu_step_inputs.c (a decode step's flat inputs), cpu_screen.c
+and cpu_screen_int8.c (greedy tokens behind a bf16 or an AMX int8 screen); cpu_vec.h and
+cpu_kernels.h are shared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(
+    CSRC / name
+    for name in (
+        "cpu_decode.c",
+        "cpu_prefill.c",
+        "cpu_argmax.c",
+        "cpu_panel_gemm.c",
+        "cpu_elementwise.c",
+        "cpu_store_kv.c",
+        "cpu_decode_stack.c",
+        "cpu_step_inputs.c",
+        "cpu_screen.c",
+        "cpu_screen_int8.c",
+    )
+)
+HEADERS = (CSRC / "cpu_vec.h", CSRC / "cpu_kernels.h", CSRC / "cpu_attention.h")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm")
+CACHE_ENV = "ACTORSERVE_KERNEL_CACHE"
+
+
+def cache_dir() -> Path:
+    """$ACTORSERVE_KERNEL_CACHE, else $XDG_CACHE_HOME/actorserve/kernels (~/.cache/...)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "actorserve" / "kernels"
+
+
+def _cpu_model() -> str:
+    """The first CPU's model name and feature flags (they decide what -march=native emits)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().split("\n\n", 1)[0].splitlines()
+    except OSError:
+        return platform.processor()
+    return "\n".join(line for line in lines if line.startswith(("model name", "flags")))
+
+
+def build() -> Path | None:
+    """Compile the sources (or find them compiled) -> the library's path; None without a compiler.
+
+    Raises RuntimeError when the compiler fails."""
+    given = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if given is None or platform.system() != "Linux":
+        return None
+    compiler = shlex.split(given)  # CC may carry words: "ccache gcc"
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        "\0".join(
+            [
+                *(f.read_text() for f in SOURCES + HEADERS),
+                *FLAGS,
+                version,
+                platform.machine(),
+                _cpu_model(),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        command = [*compiler, *map(str, SOURCES), "-o", str(built), *FLAGS]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{given} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: concurrent builders each install a whole file
+    for stale in target.parent.glob("cpu_kernels-*.so"):
+        if stale != target:  # a process that loaded it keeps its mapping
+            stale.unlink(missing_ok=True)
+    return target

@@ -1,0 +1,189 @@
+"""The CPU fast path's one interface: what the Worker's runner and its model get from it.
+
+Built from three EngineConfig fields: `cpu_fast_path` (off: the model runs in plain torch, the
+same tokens), `greedy_head_screen` (lm_head.py) and `transparent_huge_pages` (huge_pages.py).
+`prepare` rewrites the model for the CPU once, after loading: each projection's weight stored
+column-major (MKL's small-batch products read W.T row by row) and, where it has no bias, its
+Linear replaced by a PackedLinear with the weight also in panels (panels.py); copies of the LM
+head (lm_head.py); the decode stack over the KV caches (decode_stack.py). Its elementwise ops
+(`elementwise`) are given to the model when it is built, and its attention is the `cpu` backend
+(kernels.attention_ops). The runner then asks it for a decode step's inputs (`decode_inputs`),
+the step's hidden states (`forward`), greedy tokens (`greedy_tokens`), logits
+(`compute_logits`) and the sampler's argmax (`argmax_rows`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..elementwise import ElementwiseOps
+from . import bindings, huge_pages, lm_head
+from .attention import argmax_rows
+from .decode_inputs import DecodeInputs
+from .decode_stack import DecodeStack, StackLayer, StackShape
+from .elementwise import C_ELEMENTWISE
+from .panels import PANEL_ROWS, PackedLinear, PanelLinear
+
+log = logging.getLogger(__name__)
+
+
+class CpuFastPath:
+    """The C kernels, packed weights and fused heads for one model on the CPU (see the module
+    docstring). Until `prepare`, nothing of a model is held and `forward` / `greedy_tokens`
+    serve no step."""
+
+    def __init__(self, lib: ctypes.CDLL, screen: str = "auto", huge: bool = True) -> None:
+        self.lib = lib
+        self.screen = screen
+        self.huge = huge
+        self.elementwise: ElementwiseOps = C_ELEMENTWISE
+        self._model: nn.Module | None = None
+        self._greedy_head = None  # GreedyHead | ScreenedHead, see lm_head.greedy_head
+        self._packed_lm_head: torch.Tensor | None = None
+        self._stack: DecodeStack | None = None
+        self._stack_caches: list | None = None  # the KV caches the decode stack writes
+
+    @classmethod
+    def create(cls, config, device: torch.device | str) -> CpuFastPath | None:
+        """The fast path for an EngineConfig on `device`, or None (the reason logged): turned
+        off, not a CPU, or no C library (no compiler, a failed build)."""
+        if not config.cpu_fast_path:
+            log.info("CPU fast path off (cpu_fast_path=False): plain torch")
+            return None
+        if torch.device(device).type != "cpu":
+            log.info("CPU fast path off: the device is %s", torch.device(device).type)
+            return None
+        lib = bindings.load()  # logs why when there is none
+        if lib is None:
+            return None
+        return cls(lib, config.greedy_head_screen, config.transparent_huge_pages)
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed CPU tensor on huge pages where asked: for the KV cache, which every decode
+        step streams."""
+        return huge_pages.zeros(shape, dtype, self.huge)
+
+    def prepare(
+        self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> None:
+        """Lay out and pack `model`'s weights for the CPU (the module docstring) and pack the
+        decode stack over `kv_caches` where it serves (None: no decode stack). A model not in
+        fp32 on the CPU keeps its weights' values; its steps then run through it as they are."""
+        self._model = model
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.data = module.weight.data.t().contiguous().t()
+        self._pack_projections(model)
+        weight = model.lm_head_weight()
+        if weight.device.type == "cpu" and weight.dtype == torch.float32:
+            self._greedy_head = lm_head.greedy_head(weight, self.screen, self.huge)
+            self._packed_lm_head = lm_head.packed_logits_weight(weight)
+        if kv_caches is not None:
+            self._pack_decode_stack(model, kv_caches)
+
+    def _pack_projections(self, model: nn.Module) -> None:
+        """Each decoder layer's bias-free fp32 Linear -> a PackedLinear sharing its weight."""
+        for layer in model.model.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, child in list(parent.named_children()):
+                    if type(child) is not nn.Linear or child.bias is not None:
+                        continue
+                    panel = PanelLinear.for_weight(child.weight, self.huge)
+                    if panel is not None:
+                        setattr(parent, name, PackedLinear(child, panel))
+
+    def _pack_decode_stack(self, model: nn.Module, kv_caches) -> bool:
+        """Let decode steps run the whole decoder in one C call, over these KV caches: only
+        where the layers' kernels are the ones the stack runs (the `cpu` attention backend, this
+        path's elementwise ops, every projection packed, no q/k norm), so its hidden states
+        are theirs to the bit. Returns whether it serves."""
+        attentions = [layer.self_attn for layer in model.model.layers]
+        projections = [
+            p
+            for layer in model.model.layers
+            for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
+            + (layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        ]
+        if (
+            model.elementwise is not self.elementwise
+            or any(a.ops.name != "cpu" or a.q_norm is not None for a in attentions)
+            or any(not isinstance(p, PackedLinear) for p in projections)
+        ):
+            return False
+        c = model.config
+        shape = StackShape(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+            c.rms_norm_eps, attentions[0].scale,
+        )  # fmt: skip
+        layers = [
+            StackLayer(
+                layer.input_layernorm.weight.data,
+                layer.post_attention_layernorm.weight.data,
+                layer.self_attn.qkv_proj.panel.panels,
+                layer.self_attn.o_proj.panel.panels,
+                layer.mlp.gate_up_proj.panel.panels,
+                layer.mlp.down_proj.panel.panels,
+                *kv_cache,
+            )
+            for layer, kv_cache in zip(model.model.layers, kv_caches, strict=True)
+        ]
+        embed = model.model.embed_tokens.weight.data
+        tables = (model.rotary.cos, model.rotary.sin)
+        try:
+            self._stack = DecodeStack(
+                self.lib, shape, embed, tables, model.model.norm.weight.data, layers
+            )
+        except ValueError:  # a tensor not fp32 or not contiguous
+            return False
+        self._stack_caches = kv_caches
+        return True
+
+    @property
+    def greedy_head(self):
+        """The greedy head `prepare` chose (lm_head.greedy_head), or None where none serves."""
+        return self._greedy_head
+
+    @property
+    def serves_decode_stack(self) -> bool:
+        """Whether `prepare` packed the decode stack (decode steps then run in one C call)."""
+        return self._stack is not None
+
+    def decode_inputs(self, numbers: np.ndarray, columns: int) -> DecodeInputs:
+        """Buffers for a step of decodes' flat inputs, filled in C (decode_inputs.py); numbers
+        [n, 4] int64 as DecodeInputs takes them, for requests of at most `columns` blocks."""
+        return DecodeInputs(self.lib, numbers, columns)
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor | None:
+        """The model's forward for a step of decodes alone (one token a sequence, at most
+        PANEL_ROWS) over the caches the stack was packed over: the hidden states after the final
+        norm, the same as the model's; None for any other step (the model serves it)."""
+        if self._stack is None or kv_caches is not self._stack_caches:
+            return None
+        if input_ids.shape[0] > PANEL_ROWS:  # the stack itself checks one token a sequence
+            return None
+        return self._stack(input_ids, positions, *meta)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden] -> [N] int64, the first maximum of each row's logits (what
+        compute_logits then an argmax gives), or None where no fused head serves."""
+        if self._greedy_head is None or hidden.dtype != torch.float32:
+            return None
+        return self._greedy_head(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's compute_logits: hidden [N, hidden] -> logits [N, vocab] float32."""
+        packed = self._packed_lm_head
+        rows = hidden.shape[0]
+        if packed is not None and rows >= lm_head.PACKED_MIN_ROWS and hidden.dtype == torch.float32:
+            return lm_head.packed_logits(hidden, packed)
+        return self._model.compute_logits(hidden)
+
+    @staticmethod
+    def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+        """[N, V] -> [N] int64, the first maximum of each row (attention.argmax_rows: in C)."""
+        return argmax_rows(logits)
