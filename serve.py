@@ -14,9 +14,10 @@ import signal
 
 import msgspec
 
+from .actors.actor_process import Child
 from .actors.config import EngineConfig
 from .actors.curve import with_own_client
-from .actors.supervisor import Child, Supervisor, SupervisorError
+from .actors.supervisor import Supervisor, SupervisorError
 from .config_flags import given_values
 from .gateway.server import bind
 from .gateway.service import GatewaySettings
