@@ -18,8 +18,9 @@ from .actors.curve import with_own_client
 from .actors.runtime import configure_logging
 from .actors.supervisor import BackgroundSupervisor, SupervisorError
 from .config_flags import add_flags, given_values
-from .gateway.client import Client, EngineError
+from .gateway.client import Client
 from .gateway.curve_keys import client_options, write_keys
+from .gateway.errors import EngineError
 from .gateway.service import GatewaySettings
 from .messages.common import SamplingParams
 

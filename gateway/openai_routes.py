@@ -21,7 +21,6 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..messages.client import Delta
 from ..messages.common import FinishReason
-from .client import join_samples
 from .openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from .openai_protocol import (
     APIError,
@@ -43,6 +42,7 @@ from .openai_protocol import (
     invalid,
     now,
 )
+from .request_stream import join_samples
 from .service import Gateway, GatewaySettings
 
 T = TypeVar("T")

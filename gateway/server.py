@@ -32,8 +32,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .client import AsyncClient, EngineError
+from .client import AsyncClient
 from .connections import GatewayConfig
+from .errors import EngineError
 from .guards import add_guards, has_api_key
 from .health import HealthChecks
 from .metrics import CONTENT_TYPE

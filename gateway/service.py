@@ -20,7 +20,8 @@ from msgspec import Meta
 from ..config_flags import NOT_A_FLAG
 from ..messages.client import Delta
 from ..messages.common import OutputKind, SamplingParams, max_prompt_chars
-from .client import AsyncClient, EngineError
+from .client import AsyncClient
+from .errors import EngineError
 from .metrics import Metrics
 from .openai_logprobs import TokenNames
 from .openai_protocol import APIError, ChatMessage, invalid
