@@ -38,7 +38,8 @@ from .errors import EngineError
 from .guards import add_guards, has_api_key
 from .health import HealthChecks
 from .metrics import CONTENT_TYPE
-from .openai_protocol import APIError, ModelCard, ModelList, now
+from .openai_errors import APIError
+from .openai_responses import ModelCard, ModelList, now
 from .openai_routes import ClientGone, chat_completions, completions, error_response, json_response
 from .service import Gateway, GatewaySettings
 from .websocket import stream_endpoint

@@ -23,8 +23,9 @@ from ..messages.common import OutputKind, SamplingParams, max_prompt_chars
 from .client import AsyncClient
 from .errors import EngineError
 from .metrics import Metrics
+from .openai_errors import APIError, invalid
 from .openai_logprobs import TokenNames
-from .openai_protocol import APIError, ChatMessage, invalid
+from .openai_requests import ChatMessage
 
 SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
 ENGINE_STATUS = {"invalid_request": 400, "overloaded": 429, "unavailable": 503}
