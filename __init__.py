@@ -3,7 +3,8 @@
 Doors: `LLM` (offline), `Client` / `AsyncClient` (ZeroMQ SDK), the `actorserve` CLI.
 """
 
-from .gateway.client import AsyncClient, Client, EngineError
+from .gateway.client import AsyncClient, Client
+from .gateway.errors import EngineError
 from .messages.common import FinishReason, SamplingParams
 from .offline import LLM, Completion, Sample
 

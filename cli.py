@@ -10,85 +10,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import os
-import signal
 import sys
 import time
 
 from .actors.config import EngineConfig
 from .actors.curve import with_own_client
 from .actors.runtime import configure_logging
-from .actors.supervisor import BackgroundSupervisor, Supervisor, SupervisorError
-from .gateway.client import Client, EngineError
+from .actors.supervisor import BackgroundSupervisor, SupervisorError
+from .config_flags import add_flags, given_values
+from .gateway.client import Client
 from .gateway.curve_keys import client_options, write_keys
+from .gateway.errors import EngineError
+from .gateway.service import GatewaySettings
 from .messages.common import SamplingParams
 
-
-def _flag(value: str) -> bool:
-    """An on/off flag's value: 1/true/yes/on or 0/false/no/off, anything else an error."""
-    word = value.lower()
-    if word in ("1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+# `generate`'s --seed is its request's sampling seed, not the engine's
+GENERATE_OWN = frozenset({"seed"})
 
 
-ENGINE_FLAGS = [  # (flag, EngineConfig field, type)
-    ("--block-size", "block_size", int),
-    ("--num-kv-blocks", "num_kv_blocks", int),
-    ("--kv-cache-memory-gb", "kv_cache_memory_gb", float),
-    ("--max-num-seqs", "max_num_seqs", int),
-    ("--max-num-batched-tokens", "max_num_batched_tokens", int),
-    ("--max-model-len", "max_model_len", int),
-    ("--max-live-requests", "max_live_requests", int),
-    ("--max-client-message-bytes", "max_client_message_bytes", int),
-    ("--max-request-output-tokens", "max_request_output_tokens", int),
-    ("--max-logprob-entries", "max_logprob_entries", int),
-    ("--priority-min", "priority_min", int),
-    ("--priority-max", "priority_max", int),
-    ("--poison-crashes", "poison_crashes", int),
-    ("--client-lease-s", "client_lease_s", float),
-    ("--client-queue-messages", "client_queue_messages", int),
-    ("--fault-crash-on-token-id", "fault_crash_on_token_id", int),
-    ("--device", "device", str),
-    ("--dtype", "dtype", str),
-    ("--attention-backend", "attention_backend", str),
-    ("--torch-threads", "torch_threads", int),
-    ("--heartbeat-interval-s", "heartbeat_interval_s", float),
-    ("--ready-timeout-s", "ready_timeout_s", float),
-    ("--max-restarts", "max_restarts", int),
-    ("--restart-window-s", "restart_window_s", float),
-    ("--drain-timeout-s", "drain_timeout_s", float),
-    ("--enable-prefix-caching", "enable_prefix_caching", _flag),
-    ("--async-scheduling", "async_scheduling", _flag),
-    ("--final-only-flush-s", "final_only_flush_s", float),
-    ("--preemption-mode", "preemption_mode", str),
-    ("--preemption-victim", "preemption_victim", str),
-    ("--num-cpu-blocks", "num_cpu_blocks", int),
-    ("--curve-server-key", "curve_server_key", str),
-    ("--curve-authorized-clients", "curve_authorized_clients", str),
-    ("--insecure-loopback", "insecure_loopback", _flag),
-]
+def add_engine_flags(parser: argparse.ArgumentParser, exclude: frozenset[str] = frozenset()):
+    """One flag per user setting of EngineConfig (config_flags.py), `--model` among them."""
+    add_flags(parser.add_argument_group("engine (EngineConfig)"), EngineConfig, exclude)
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="Hugging Face checkpoint directory")
-    group = parser.add_argument_group("engine")
-    for flag, field, kind in ENGINE_FLAGS:
-        group.add_argument(flag, dest=field, type=kind, default=None)
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, exclude: frozenset[str] = frozenset()) -> EngineConfig:
     if not args.model:
         raise ValueError("--model DIR is required to start an engine")
-    given = {
-        field: getattr(args, field)
-        for _, field, _ in ENGINE_FLAGS
-        if getattr(args, field) is not None
-    }
-    return EngineConfig(model=args.model, **given)
+    return EngineConfig(**given_values(args, EngineConfig, exclude))
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -102,126 +50,9 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-# -- serve ------------------------------------------------------------------------------------
-
-
-async def serve(
-    config: EngineConfig, address: str | None, http: argparse.Namespace | None = None
-) -> int:
-    """Run the engine (and, with `http`, the gateway on it) until SIGTERM/SIGINT; the exit code.
-
-    The gateway is a supervised process of its own (gateway_process.py), serving on a socket
-    bound here, so a restarted gateway serves on the same port. SIGTERM: the gateway answers
-    503 to new requests, the engine drains those in flight (up to drain_timeout_s), the
-    gateway closes its connections, the actors stop; exit 0.
-    """
-    log = logging.getLogger("actorserve")
-    try:
-        config, own_client = with_own_client(config)  # the gateway's key, for a CURVE engine
-        supervisor = Supervisor(config, address)
-    except (ValueError, OSError) as exc:
-        log.error("cannot serve: %s", exc)
-        return 1
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
-    url = listening = None
-    if http is not None:
-        try:
-            url, listening = supervise_gateway(supervisor, http, own_client)
-        except OSError as exc:
-            log.error("cannot serve HTTP on %s port %s: %s", http.host, http.port, exc)
-            await supervisor.stop("the gateway could not start")
-            return 1
-    try:
-        await supervisor.start()
-    except SupervisorError as exc:
-        log.error("cannot serve: %s", exc)
-        return 1
-    print(f"actorserve: serving {config.model} at {supervisor.client_address}", flush=True)
-    if url is not None:
-        print(f"actorserve: {url}", flush=True)
-    waiter = asyncio.ensure_future(supervisor.wait())
-    stopper = asyncio.ensure_future(stopping.wait())
-    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
-    if waiter.done():
-        stopper.cancel()
-        try:
-            waiter.result()
-        except SupervisorError as exc:
-            log.error("engine stopped: %s", exc)
-            return 1
-        return 0
-    await supervisor.drain()
-    await supervisor.stop("SIGTERM")
-    waiter.cancel()
-    if listening is not None:
-        listening.close()
-    return 0
-
-
-def supervise_gateway(supervisor: Supervisor, http: argparse.Namespace, client: dict):
-    """Bind the HTTP port (OSError if taken) and have the supervisor run the gateway on it;
-    (its URL, the listening socket: keep it open while serving). The spec, with the SDK's keys,
-    goes in a 0600 file in the private run directory, not on a command line anyone may read."""
-    import msgspec
-
-    from .actors.supervisor import Child
-    from .gateway.server import bind
-    from .gateway_process import NAME, GatewaySpec
-
-    sock = bind(http.host, http.port)
-    port = sock.getsockname()[1]
-    spec = GatewaySpec(
-        config=supervisor.config,
-        settings=gateway_settings(http, supervisor.config),
-        listen_fd=sock.fileno(),
-        host=http.host,
-        port=port,
-        client_options={k: _z85_text(v) for k, v in client.items()},
-    )
-    path = os.path.join(supervisor.config.addresses.run_dir, "gateway.json")
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-        f.write(msgspec.json.encode(spec))
-    supervisor.supervise(Child(NAME, "actorserve.gateway_process", [path], (sock.fileno(),)))
-    host = f"[{http.host}]" if ":" in http.host else http.host
-    return f"http://{host}:{port}", sock
-
-
-def _z85_text(value):
-    """A key (or key pair) as JSON text."""
-    if isinstance(value, tuple | list):
-        return [_z85_text(v) for v in value]
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def gateway_settings(args: argparse.Namespace, config: EngineConfig):
-    """The gateway's limits from the flags and the resolved engine config."""
-    from .gateway.service import GatewaySettings
-
-    return GatewaySettings(
-        model_id=config.model,
-        model_dir=config.model,
-        max_model_len=config.max_model_len,
-        vocab_size=config.facts.vocab_size,
-        api_key=args.api_key or None,
-        max_concurrent_requests=args.max_concurrent_requests or config.max_live_requests,
-        max_body_bytes=args.max_body_bytes,
-        max_connections=args.max_connections,
-        keep_alive_s=args.keep_alive_s,
-        read_timeout_s=args.read_timeout_s,
-        max_header_bytes=args.max_header_bytes,
-        send_timeout_s=args.send_timeout_s,
-        max_requests_per_socket=args.max_requests_per_socket,
-        health_timeout_s=args.health_timeout_s,
-        health_interval_s=args.health_interval_s,
-        allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
-        allowed_hosts=[h.strip() for h in args.allowed_hosts.split(",") if h.strip()],
-    )
-
-
 def run_serve(args: argparse.Namespace) -> int:
+    from .serve import serve  # the gateway's imports (FastAPI) only where it serves
+
     try:
         config = engine_config(args)
     except ValueError as exc:
@@ -244,7 +75,7 @@ def run_generate(args: argparse.Namespace) -> int:
     address = args.address
     try:
         if address is None:
-            config, options = with_own_client(engine_config(args))
+            config, options = with_own_client(engine_config(args, GENERATE_OWN))
             stack = BackgroundSupervisor(config)
             address = stack.start()
         else:
@@ -364,7 +195,7 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actorserve", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -376,90 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         help="client address (tcp://HOST:PORT or ipc://PATH); default ipc:// in the run directory",
     )
     web = p.add_argument_group("gateway (HTTP + WebSocket)")
-    web.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
-    web.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one")
+    web.add_argument("--host", default="127.0.0.1", help="HTTP address (default: 127.0.0.1)")
     web.add_argument(
-        "--api-key",
-        default=os.environ.get("ACTORSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $ACTORSERVE_API_KEY)",
+        "--port", type=int, default=8000, help="HTTP port; 0 picks a free one (default: 8000)"
     )
-    web.add_argument(
-        "--max-concurrent-requests",
-        type=int,
-        default=None,
-        help="answer 429 over this many requests in flight (default: max_live_requests)",
-    )
-    web.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=8 * 1024 * 1024,
-        help="largest request body accepted, and WebSocket message (default 8 MiB)",
-    )
-    web.add_argument(
-        "--max-connections",
-        type=int,
-        default=2048,
-        help="open HTTP + WebSocket connections; one more gets 503 (default 2048)",
-    )
-    web.add_argument(
-        "--keep-alive-s",
-        type=float,
-        default=5.0,
-        help="close an idle keep-alive connection after this (default 5)",
-    )
-    web.add_argument(
-        "--read-timeout-s",
-        type=float,
-        default=30.0,
-        help="a request's head, then its body, must arrive within this; else 408 (default 30)",
-    )
-    web.add_argument(
-        "--max-header-bytes",
-        type=int,
-        default=16 * 1024,
-        help="longest request line + headers; over it, 431 (default 16 KiB)",
-    )
-    web.add_argument(
-        "--send-timeout-s",
-        type=float,
-        default=30.0,
-        help="drop a connection that takes none of our output for this long, aborting its "
-        "requests (default 30)",
-    )
-    web.add_argument(
-        "--max-requests-per-socket",
-        type=int,
-        default=64,
-        help="live requests on one WebSocket; a generate over it gets an error frame (default 64)",
-    )
-    web.add_argument(
-        "--health-timeout-s",
-        type=float,
-        default=10.0,
-        help="how long /health and /ready wait for the engine (default 10)",
-    )
-    web.add_argument(
-        "--health-interval-s",
-        type=float,
-        default=5.0,
-        help="/health and /ready ask the engine at most once per interval (default 5)",
-    )
-    web.add_argument(
-        "--allowed-origins",
-        default="",
-        help="comma-separated browser origins allowed besides the server's own pages (CORS, "
-        "WebSocket handshakes); '*': any (default: the server's own only)",
-    )
-    web.add_argument(
-        "--allowed-hosts",
-        default="",
-        help="comma-separated Host names accepted ('*.example.com': subdomains); set it on a "
-        "private address against DNS rebinding (default: any)",
-    )
+    add_flags(web, GatewaySettings)
     p.set_defaults(func=run_serve)
 
     p = commands.add_parser("generate", help="stream one completion to stdout")
-    add_engine_flags(p)
+    add_engine_flags(p, GENERATE_OWN)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -487,7 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", help="directory for the key files (made 0700 if new)")
     p.set_defaults(func=run_keys)
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     configure_logging()
     return args.func(args)
 

@@ -3,23 +3,36 @@
 The supervisor builds an `EngineConfig` from the user's flags, resolves what depends on the
 checkpoint (`ModelFacts`) and on the Worker's memory measurement (`num_kv_blocks`), and hands the
 resolved config to every actor it starts.
+
+Each field says what it is in its `Meta(description=...)`: `actorserve serve --help` shows that
+text, and the flag (`--block-size` for `block_size`) is generated from the field (config_flags.py).
+A field marked `extra=NOT_A_FLAG` is resolved by the engine, not set by the user.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Literal, get_args
 
 import msgspec
+from msgspec import Meta
 
+from ..config_flags import NOT_A_FLAG
 from .model_config import ModelConfig
 
 ACTORS = ("worker", "block_manager", "scheduler", "engine")  # start order; stop is the reverse
 # The Worker's second mailbox, read by its forward thread alone: StepPlan and Reset from the
 # Scheduler (its first, "worker", is the event loop's: Stop).
 WORKER_STEPS = "worker_steps"
-PREEMPTION_MODES = ("recompute", "swap")
-VICTIM_POLICIES = ("fewest_computed", "last_admitted")
-GREEDY_HEAD_SCREENS = ("auto", "int8", "bf16", "off")
+
+PreemptionMode = Literal["recompute", "swap"]
+VictimPolicy = Literal["fewest_computed", "last_admitted"]
+GreedyHeadScreen = Literal["auto", "int8", "bf16", "off"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+PREEMPTION_MODES = get_args(PreemptionMode)
+VICTIM_POLICIES = get_args(VictimPolicy)
+GREEDY_HEAD_SCREENS = get_args(GreedyHeadScreen)
+DTYPES = get_args(Dtype)
 
 
 class ModelFacts(msgspec.Struct, frozen=True):
@@ -48,55 +61,171 @@ class Addresses(msgspec.Struct, frozen=True):
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model: str
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: measured by the Worker from kv_cache_memory_gb
-    kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_live_requests: int = 1024  # over this, new requests get an `overloaded` error
-    # Limits on what one client message may ask (errors name the field and the limit):
-    max_client_message_bytes: int = 16 << 20  # ZMQ_MAXMSGSIZE of the client socket
-    max_request_output_tokens: int = 1 << 18  # n x the tokens each sample may generate
-    max_logprob_entries: int = 1 << 20  # logprobs (+ prompt_logprobs) entries of one request
-    priority_min: int = 0  # priorities clients may ask (lower runs first): none can jump
-    priority_max: int = 1 << 20  # ahead of the default 0 unless priority_min is lowered
-    client_queue_messages: int = 10_000  # replies queued for one client before they wait
-    client_lease_s: float = 30.0  # a client silent this long has its requests aborted
-    poison_crashes: int = 2  # a request in flight at this many crashes of an actor is failed
-    fault_crash_on_token_id: int | None = None  # tests only: the Worker dies on a plan with it
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"  # or "swap": KV to a CPU block pool and back
-    preemption_victim: str = "fewest_computed"  # or "last_admitted"
-    async_scheduling: bool = True  # plan step N+1 while the Worker runs step N
-    final_only_flush_s: float = 1.0  # how often held final_only outputs go out while running
-    num_cpu_blocks: int | None = None  # swap space; None: as many as GPU blocks in swap mode
-    device: str = "auto"
-    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
-    attention_backend: str = "auto"
-    torch_threads: int | None = None  # None: every core (only the Worker runs torch compute)
+    """The engine's settings (each a flag of `actorserve serve` unless marked NOT_A_FLAG) and
+    what the supervisor resolves before it starts the actors (facts, addresses, block counts)."""
+
+    model: Annotated[str, Meta(description="Hugging Face checkpoint directory")]
+    # The KV cache and the step's budgets
+    block_size: Annotated[int, Meta(description="tokens per KV cache block: 8, 16, 32 or 64")] = 16
+    num_kv_blocks: Annotated[
+        int | None, Meta(description="KV cache blocks; unset: measured from kv_cache_memory_gb")
+    ] = None
+    kv_cache_memory_gb: Annotated[
+        float | None,
+        Meta(description="KV cache size; unset: 1 GiB on CPU, 90% of free memory on CUDA"),
+    ] = None
+    max_num_seqs: Annotated[int, Meta(description="sequences running in one step")] = 64
+    max_num_batched_tokens: Annotated[
+        int, Meta(description="tokens in one step (prefill chunks and decodes together)")
+    ] = 2048
+    max_model_len: Annotated[
+        int | None,
+        Meta(description="longest sequence (prompt + output); unset: the model's maximum"),
+    ] = None
+    max_live_requests: Annotated[
+        int, Meta(description="requests in the engine at once; over it, `overloaded` errors")
+    ] = 1024
+    # Limits on what one client message may ask (errors name the field and the limit)
+    max_client_message_bytes: Annotated[
+        int, Meta(description="largest client message (ZMQ_MAXMSGSIZE of the client socket)")
+    ] = 16 << 20
+    max_request_output_tokens: Annotated[
+        int, Meta(description="n x max_tokens of one request: the tokens it may generate")
+    ] = 1 << 18
+    max_logprob_entries: Annotated[
+        int, Meta(description="logprobs (+ prompt_logprobs) entries of one request")
+    ] = 1 << 20
+    priority_min: Annotated[
+        int, Meta(description="lowest priority a client may ask (lower runs first)")
+    ] = 0
+    priority_max: Annotated[
+        int,
+        Meta(
+            description="highest priority a client may ask; none jumps ahead of 0 unless "
+            "priority_min is lowered"
+        ),
+    ] = 1 << 20
+    client_queue_messages: Annotated[
+        int, Meta(description="replies queued for one client before they wait")
+    ] = 10_000
+    client_lease_s: Annotated[
+        float, Meta(description="a client silent this long has its requests aborted")
+    ] = 30.0
+    poison_crashes: Annotated[
+        int, Meta(description="a request in flight at this many crashes of an actor is failed")
+    ] = 2
+    fault_crash_on_token_id: Annotated[
+        int | None, Meta(description="tests only: the Worker dies on a step plan with this token")
+    ] = None
+    # Scheduling
+    enable_prefix_caching: Annotated[
+        bool, Meta(description="reuse the KV blocks of a prompt prefix already computed")
+    ] = True
+    preemption_mode: Annotated[
+        PreemptionMode,
+        Meta(
+            description="what a preempted request keeps: recompute (nothing) or swap (its KV, "
+            "moved to a CPU block pool and back)"
+        ),
+    ] = "recompute"
+    preemption_victim: Annotated[
+        VictimPolicy, Meta(description="which running request is preempted first")
+    ] = "fewest_computed"
+    async_scheduling: Annotated[
+        bool, Meta(description="plan step N+1 while the Worker runs step N")
+    ] = True
+    final_only_flush_s: Annotated[
+        float, Meta(description="how often held final_only outputs go out while running")
+    ] = 1.0
+    num_cpu_blocks: Annotated[
+        int | None,
+        Meta(description="swap space in blocks; unset: as many as the KV cache in swap mode"),
+    ] = None
+    # The Worker's device and kernels
+    device: Annotated[
+        str, Meta(description="torch device (cpu, cuda, cuda:1); auto: cuda if there is one")
+    ] = "auto"
+    dtype: Annotated[Dtype, Meta(description="auto: float32 on CPU, bfloat16 on CUDA")] = "auto"
+    attention_backend: Annotated[
+        str,
+        Meta(
+            description="auto (triton on CUDA, cpu elsewhere), cpu, reference or triton "
+            "(kernels/__init__.py)"
+        ),
+    ] = "auto"
+    torch_threads: Annotated[
+        int | None, Meta(description="the Worker's torch threads; unset: every core")
+    ] = None
     # The CPU fast path (kernels/cpu/: C kernels over the paged cache, packed weights, the fused
     # decode stack and greedy heads); off: plain torch, the same tokens.
-    cpu_fast_path: bool = True
-    greedy_head_screen: str = "auto"  # auto | int8 | bf16 | off: the CPU greedy head's screen
-    transparent_huge_pages: bool = True  # advise THP on the large CPU weight copies
-    step_trace: str | None = None  # PATH: each step's clock times (scripts/bench_overhead.py)
-    heartbeat_interval_s: float = 1.0
-    ready_timeout_s: float = 180.0
-    stop_timeout_s: float = 10.0
-    seed: int = 0
-    epoch: int = 0  # actors drop stamped messages of other epochs; restarted ones start at -1
-    max_restarts: int = 5  # per actor within restart_window_s; past it the tree stops
-    restart_window_s: float = 60.0
-    drain_timeout_s: float = 30.0
+    cpu_fast_path: Annotated[
+        bool, Meta(description="the CPU fast path (packed weights, C kernels); off: plain torch")
+    ] = True
+    greedy_head_screen: Annotated[
+        GreedyHeadScreen,
+        Meta(
+            description="the CPU greedy head's cheap first pass over the vocabulary (the tokens "
+            "are exact either way); auto: int8 or bf16 where the CPU has it; off: fp32 alone"
+        ),
+    ] = "auto"
+    transparent_huge_pages: Annotated[
+        bool, Meta(description="advise huge pages on the large CPU weight copies")
+    ] = True
+    step_trace: Annotated[
+        str | None,
+        Meta(description="PATH: write each step's clock times (scripts/bench_overhead.py)"),
+    ] = None
+    # Supervision
+    heartbeat_interval_s: Annotated[
+        float, Meta(description="how often each actor tells the supervisor it is alive")
+    ] = 1.0
+    ready_timeout_s: Annotated[
+        float, Meta(description="an actor not Ready this long after its start fails start-up")
+    ] = 180.0
+    stop_timeout_s: Annotated[
+        float, Meta(description="an actor not gone this long after Stop is killed")
+    ] = 10.0
+    seed: Annotated[int, Meta(description="the sampler's seed for requests without one")] = 0
+    max_restarts: Annotated[
+        int,
+        Meta(
+            description="restarts of one actor within restart_window_s; past it, the engine stops"
+        ),
+    ] = 5
+    restart_window_s: Annotated[float, Meta(description="the window of max_restarts")] = 60.0
+    drain_timeout_s: Annotated[
+        float, Meta(description="on SIGTERM, how long requests in flight may finish")
+    ] = 30.0
     # CurveZMQ on the client socket (actors/curve.py has the rules; `actorserve keys` the files)
-    curve_server_key: str | None = None  # the server's secret certificate (0600)
-    curve_authorized_clients: str | None = None  # dir of client *.key certs; None: any client
-    insecure_loopback: bool = False  # allow tcp:// on a loopback host without CURVE
-    curve_gateway_key: str | None = None  # resolved, not a flag: see curve.with_own_client
-    addresses: Addresses | None = None
-    facts: ModelFacts | None = None
+    curve_server_key: Annotated[
+        str | None, Meta(description="the server's secret certificate (a 0600 file)")
+    ] = None
+    curve_authorized_clients: Annotated[
+        str | None, Meta(description="directory of client *.key certificates; unset: any client")
+    ] = None
+    insecure_loopback: Annotated[
+        bool, Meta(description="allow tcp:// on a loopback host without CURVE")
+    ] = False
+    # Resolved by the engine, not set by the user
+    epoch: Annotated[
+        int,
+        Meta(
+            description="actors drop stamped messages of other epochs; restarted ones start at -1",
+            extra=NOT_A_FLAG,
+        ),
+    ] = 0
+    curve_gateway_key: Annotated[
+        str | None,
+        Meta(
+            description="the gateway's own CURVE key: see curve.with_own_client", extra=NOT_A_FLAG
+        ),
+    ] = None
+    addresses: Annotated[
+        Addresses | None, Meta(description="the actors' mailboxes", extra=NOT_A_FLAG)
+    ] = None
+    facts: Annotated[
+        ModelFacts | None, Meta(description="read from the checkpoint", extra=NOT_A_FLAG)
+    ] = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting out of range."""
@@ -120,6 +249,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 self.preemption_mode in PREEMPTION_MODES,
                 f"one of {PREEMPTION_MODES}",
             ),
+            ("dtype", self.dtype in DTYPES, f"one of {DTYPES}"),
             (
                 "greedy_head_screen",
                 self.greedy_head_screen in GREEDY_HEAD_SCREENS,

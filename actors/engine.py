@@ -23,12 +23,10 @@ AbortRequest and Ping act on the sender's own requests only. A client that goes 
 it fails) or sends nothing for client_lease_s (the SDK pings every second while it streams) has
 its requests aborted: nothing runs on for nobody.
 
-Parallel samples: a GenerateRequest with n > 1 fans out into n child requests `{id}#{i}` (seeds
-seed + i when seeded, so the samples differ and are reproducible); each is journaled and resumed
-like any request, its deltas go to the client under the client's id with `index` i, and aborting
-the client's id aborts every child. Sample 0 computes the prompt; samples i > 0 wait for it, then
-fork: they share its prompt blocks, the partial last block copied on write, and recompute only the
-last prompt token for their own first draw (Scheduler._fork_need, BlockPool._fork).
+Parallel samples: a GenerateRequest with n > 1 fans out into n child requests (live_request.py),
+each journaled and resumed like any request; aborting the client's id aborts every child. Sample
+0 computes the prompt; samples i > 0 wait for it, then fork: they share its prompt blocks, the
+partial last block copied on write (Scheduler._fork_need, BlockPool._fork).
 """
 
 from __future__ import annotations
@@ -37,10 +35,8 @@ import asyncio
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 
 import msgspec
-import zmq
 
 from ..messages.client import (
     AbortRequest,
@@ -49,15 +45,14 @@ from ..messages.client import (
     EngineStats,
     ErrorReply,
     GenerateRequest,
-    HealthReply,
     HealthRequest,
     Ping,
     Pong,
 )
 from ..messages.codec import DecodeError, Decoder, EngineInbox, peek_request_id
-from ..messages.common import FinishReason, SamplingParams, max_prompt_chars
+from ..messages.common import FinishReason, max_prompt_chars
 from ..messages.control import ActorStatus, Drain, Drained, Recover, Roster
-from ..messages.step import AbortRequests, AddRequest, StatsQuery, StatsReply, TokensOut
+from ..messages.step import AbortRequests, StatsQuery, StatsReply, TokensOut
 from .admission import (
     InvalidRequest,
     check_output_size,
@@ -68,41 +63,14 @@ from .admission import (
     check_resume,
 )
 from .client_outbox import ClientOutbox
-from .curve import secure_router
-from .detokenizer import Detokenizer, incremental_detokenizer
+from .client_socket import bind_client_router
+from .health_queries import HealthQueries
+from .live_request import LiveRequest, journal_entries, key
 from .quarantine import Quarantine
 from .runtime import YIELD_EVERY, Actor, ErrorThrottle, LoopSocket, actor_main
-from .stop_strings import StopStrings
 
 STATS_TIMEOUT_S = 2.0
 INLINE_TOKENIZE_CHARS = 4096  # longer prompts are tokenized on a thread, off the event loop
-
-
-def key(identity: bytes, request_id: str) -> str:
-    """A client's request id as the engine knows it: unique across clients."""
-    return f"{identity.hex()}/{request_id}"
-
-
-@dataclass
-class LiveRequest:
-    """A journal entry: enough to re-submit the request with nothing lost."""
-
-    identity: bytes
-    request: AddRequest  # request_id: key(identity, client_id), + "#i" for sample i of n > 1
-    detokenizer: Detokenizer
-    stop_strings: StopStrings | None = None
-    output_token_ids: list[int] = field(default_factory=list)
-    client_id: str = ""  # the id the client knows (deltas carry it)
-    index: int = 0  # which of the client's n samples
-    group_id: str | None = None  # the engine id of its n > 1 request (a key of Engine.groups)
-
-
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample `index` of an n > 1 request: n = 1, seed + index, and only sample 0 computes the
-    prompt logprobs (the others may then share the prompt's blocks)."""
-    seed = None if params.seed is None else (params.seed + index) % 2**63
-    prompt_logprobs = params.prompt_logprobs if index == 0 else None
-    return msgspec.structs.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 class Engine(Actor):
@@ -116,12 +84,11 @@ class Engine(Actor):
         self.groups: dict[str, list[str]] = {}  # engine id of an n > 1 request -> live children
         self.tokenizing: dict[str, GenerateRequest] = {}  # by engine id: prompt on a thread
         self.heard: dict[bytes, float] = {}  # client identity -> when it last sent anything
-        self.health_waiters: dict[str, tuple[bytes, str]] = {}
+        self.health = HealthQueries()  # waiting for the Scheduler's stats
         self.roster: list[ActorStatus] = []
         self.client_decoder = Decoder(ClientToEngine)
         self.quarantine = Quarantine(config.poison_crashes)
         self.epoch = config.epoch  # of the last Recover: TokensOut of another epoch are stale
-        self._query_seq = 0
         self._client_errors = ErrorThrottle()
         self.draining = False
 
@@ -134,21 +101,7 @@ class Engine(Actor):
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = max_prompt_chars(longest, self.config.max_model_len)
-        router = self.ctx.socket(zmq.ROUTER)
-        self.zap = secure_router(router, self.config)  # CurveZMQ when keys are configured
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # full or gone: told, not silently dropped
-        router.setsockopt(zmq.SNDHWM, self.config.client_queue_messages)  # then: client_outbox
-        router.setsockopt(zmq.MAXMSGSIZE, self.config.max_client_message_bytes)
-        address = self.addresses.client
-        try:
-            if address.startswith("ipc://"):
-                os.makedirs(os.path.dirname(address[len("ipc://") :]) or ".", exist_ok=True)
-            router.bind(address)
-        except (OSError, zmq.ZMQError):  # e.g. the port is taken: exit, not hang in ctx.term()
-            if self.zap is not None:
-                self.zap.stop()
-            router.close(linger=0)
-            raise
+        router, self.zap = bind_client_router(self.ctx, self.config)
         self.router = LoopSocket(router)
         self.outbox = ClientOutbox(self.router, self._client_gone)
 
@@ -207,9 +160,7 @@ class Engine(Actor):
             unknown = [rid for rid in message.request_ids if not self._known(identity, rid)]
             self.reply(identity, Pong(unknown, self.draining, message.seq))
         elif isinstance(message, HealthRequest):
-            self._query_seq += 1
-            query_id = str(self._query_seq)
-            self.health_waiters[query_id] = (identity, message.request_id)
+            query_id = self.health.ask(identity, message.request_id)
             self.send("scheduler", StatsQuery(query_id))
             asyncio.get_running_loop().call_later(
                 STATS_TIMEOUT_S, self._answer_health, query_id, None
@@ -281,37 +232,12 @@ class Engine(Actor):
                 ),
             )
             return
-        if n == 1:
-            children = [(eid, 0, params)]
-        else:
-            children = [(f"{eid}#{i}", i, child_params(params, i)) for i in range(n)]
-        resumed = {s.index: s.output_token_ids for s in message.resume or ()}
-        if message.resume is not None:
-            children = [child for child in children if child[1] in resumed]
+        entries = journal_entries(identity, message, prompt_ids, self.tokenizer)
         if n > 1:
-            self.groups[eid] = [cid for cid, _, _ in children]
-        for cid, index, child in children:
-            outputs = list(resumed.get(index, ()))
-            fork_of = children[0][0] if index and message.resume is None else None
-            if outputs:
-                child = msgspec.structs.replace(child, prompt_logprobs=None)  # sent already
-            request = AddRequest(cid, prompt_ids, child, outputs, message.priority, fork_of)
-            live = LiveRequest(
-                identity,
-                request,
-                incremental_detokenizer(self.tokenizer, prompt_ids),
-                StopStrings(child.stop, child.include_stop_str_in_output) if child.stop else None,
-                outputs,
-                rid,
-                index,
-                eid if n > 1 else None,
-            )
-            if outputs:  # rebuild what the client has: its text was this text, held back alike
-                text = live.detokenizer.add(outputs)
-                if live.stop_strings is not None:
-                    live.stop_strings.feed(text, final=False)
-            self.live[cid] = live
-            self.send("scheduler", request)
+            self.groups[eid] = [live.request.request_id for live in entries]
+        for live in entries:
+            self.live[live.request.request_id] = live
+            self.send("scheduler", live.request)
 
     def abort(self, engine_id: str, tell_client: bool = True) -> None:
         """Abort a client's request (every sample of an n > 1 one)."""
@@ -323,9 +249,7 @@ class Engine(Actor):
         self.send("scheduler", AbortRequests(aborted))
         retired = [self._retire(cid) for cid in aborted]
         if tell_client:
-            self._send_deltas(
-                [(live, self._delta(live, "", [], FinishReason.ABORT)) for live in retired]
-            )
+            self._send_deltas([(live, live.delta("", [], FinishReason.ABORT)) for live in retired])
         self._maybe_drained()
 
     def _retire(self, request_id: str) -> LiveRequest:
@@ -380,26 +304,13 @@ class Engine(Actor):
             live = self.live.get(output.request_id)
             if live is None:  # aborted by the client already
                 continue
-            first = not live.output_token_ids
-            live.output_token_ids.extend(output.token_ids)
             if output.token_ids:
                 release |= self.quarantine.progressed(output.request_id)
-            text = live.detokenizer.add(output.token_ids) if output.token_ids else ""
-            reason = output.finish_reason
-            if live.stop_strings is not None:
-                text, matched = live.stop_strings.feed(text, final=reason is not None)
-                if matched:  # a stop string wins over the length limit of the same token
-                    if reason is None:
-                        self.send("scheduler", AbortRequests([output.request_id]))
-                    reason = FinishReason.STOP
-            if reason is not None:
+            delta = live.stream(output)
+            if delta.finish_reason is not None:
+                if output.finish_reason is None:  # a stop string: the Scheduler runs it still
+                    self.send("scheduler", AbortRequests([output.request_id]))
                 self._retire(output.request_id)
-            delta = self._delta(live, text, output.token_ids, reason)
-            delta.cached_tokens = output.cached_tokens
-            if output.logprobs:
-                delta.logprobs = output.logprobs
-            if first and output.prompt_logprobs is not None:
-                delta.prompt_logprobs = output.prompt_logprobs
             deltas.append((live, delta))
         self._send_deltas(deltas)
         if release:
@@ -414,31 +325,13 @@ class Engine(Actor):
         for identity, batch in by_client.items():
             self.outbox.send_deltas(identity, batch)
 
-    @staticmethod
-    def _delta(live: LiveRequest, text: str, token_ids: list[int], reason) -> Delta:
-        return Delta(
-            live.client_id,
-            text,
-            token_ids,
-            reason,
-            len(live.request.prompt_token_ids),
-            len(live.output_token_ids),
-            index=live.index,
-        )
-
     def on_stats_reply(self, message: StatsReply) -> None:
         self._answer_health(message.query_id, message.stats)
 
     def _answer_health(self, query_id: str, stats: EngineStats | None) -> None:
-        """Answer a health query; without stats (the Scheduler or BlockManager did not answer
-        within STATS_TIMEOUT_S, e.g. while restarting) the reply says not ok."""
-        waiter = self.health_waiters.pop(query_id, None)
-        if waiter is None:
-            return
-        identity, request_id = waiter
-        ok = stats is not None and bool(self.roster)
-        ok = ok and all(a.state == "ready" for a in self.roster)
-        self.reply(identity, HealthReply(request_id, ok, stats or EngineStats(), self.roster))
+        answer = self.health.answer(query_id, stats, self.roster)
+        if answer is not None:
+            self.reply(*answer)
 
     def on_roster(self, message: Roster) -> None:
         self.roster = message.actors

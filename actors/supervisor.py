@@ -23,14 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections import deque
 
 import msgspec
 import zmq
@@ -47,64 +43,16 @@ from ..messages.control import (
     Roster,
     Stop,
 )
+from .actor_process import MODULES, ActorProcess, Child, restart_delay
 from .config import ACTORS, Addresses, EngineConfig
 from .curve import check_curve
 from .runtime import LoopSocket
-
-MODULES = {
-    "engine": "actorserve.actors.engine",
-    "scheduler": "actorserve.actors.scheduler",
-    "block_manager": "actorserve.actors.block_manager",
-    "worker": "actorserve.actors.worker.worker",
-}
 
 log = logging.getLogger("supervisor")
 
 
 class SupervisorError(RuntimeError):
     """The engine cannot serve: an actor failed to start or died."""
-
-
-class Child(msgspec.Struct, frozen=True):
-    """A supervised process beside the four actors: `python -m MODULE ARGS...`, inheriting
-    `pass_fds` (a listening socket it serves on, the same across its restarts)."""
-
-    name: str
-    module: str
-    args: list[str] = []
-    pass_fds: tuple[int, ...] = ()
-
-
-class ActorProcess:
-    """One actor's current process and its history (restarts survive the process)."""
-
-    def __init__(self, name: str, process: subprocess.Popen, previous: ActorProcess | None = None):
-        self.name = name
-        self.process = process
-        self.ready: Ready | None = None
-        self.last_beat = time.monotonic()
-        self.errors = 0
-        self.restarting = False
-        self.restart_times: deque[float] = previous.restart_times if previous else deque()
-        self.restarts = previous.restarts if previous else 0
-        self.last_recovery_s = previous.last_recovery_s if previous else 0.0
-
-    def status(self) -> ActorStatus:
-        alive = self.process.poll() is None
-        if self.restarting:
-            state = "restarting"
-        else:
-            state = ("ready" if self.ready else "starting") if alive else "exited"
-        age = round(time.monotonic() - self.last_beat, 3)
-        return ActorStatus(
-            self.name,
-            self.process.pid,
-            state,
-            self.restarts,
-            age,
-            round(self.last_recovery_s, 3),
-            self.errors,
-        )
 
 
 class Supervisor:
@@ -170,23 +118,13 @@ class Supervisor:
         self.children[child.name] = child
 
     def _spawn(self, name: str, restart: bool = False) -> None:
-        env = dict(os.environ)
-        if name != "worker":  # only the Worker computes with torch; the others keep one thread
-            env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         child = self.children.get(name)
         if child is not None:
             command, pass_fds = [child.module, *child.args], child.pass_fds
         else:
             config = msgspec.structs.replace(self.config, epoch=-1) if restart else self.config
             command, pass_fds = [MODULES[name], config.to_json().decode()], ()
-        process = subprocess.Popen(
-            [sys.executable, "-m", *command],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=sys.stderr,
-            pass_fds=pass_fds,
-        )
-        self.actors[name] = ActorProcess(name, process, self.actors.get(name))
+        self.actors[name] = ActorProcess.spawn(name, command, pass_fds, self.actors.get(name))
 
     async def _wait_ready(self, name: str) -> Ready:
         actor = self.actors[name]
@@ -275,9 +213,7 @@ class Supervisor:
         """Replace a dead actor, then reset the step state everywhere (see the module doc)."""
         noticed = time.monotonic()
         window = self.config.restart_window_s
-        while actor.restart_times and noticed - actor.restart_times[0] > window:
-            actor.restart_times.popleft()
-        recent = len(actor.restart_times)
+        recent = actor.recent_deaths(noticed, window)
         if recent >= self.config.max_restarts:
             self.failure = (
                 f"actor {actor.name} (pid {actor.process.pid}) exited with code {code}"
@@ -287,7 +223,7 @@ class Supervisor:
             log.error(self.failure)
             await self.stop()
             return
-        delay = min(0.05 * 2**recent, 5.0)
+        delay = restart_delay(recent)
         log.error(
             "actor %s (pid %d) exited with code %s; restarting in %.2f s (%d in the last %.0f s)",
             actor.name,
@@ -395,9 +331,9 @@ class Supervisor:
             if actor is None or actor.process.poll() is not None:
                 continue
             self._send(name, Stop(reason))
-            if not await self._wait_exit(actor, self.config.stop_timeout_s):
+            if not await actor.wait_exit(self.config.stop_timeout_s):
                 actor.process.kill()
-                await self._wait_exit(actor, 5.0)
+                await actor.wait_exit(5.0)
         for socket in self._outboxes.values():
             socket.close(linger=0)
         if self.mailbox is not None:
@@ -406,15 +342,6 @@ class Supervisor:
             self.ctx.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)
         self._done.set()
-
-    @staticmethod
-    async def _wait_exit(actor: ActorProcess, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while actor.process.poll() is None:
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(0.02)
-        return True
 
 
 class BackgroundSupervisor:

@@ -36,95 +36,18 @@ from ..messages.client import (
     HealthRequest,
     Ping,
     Pong,
-    ResumedSample,
-    join,
 )
 from ..messages.codec import Decoder, encode
 from ..messages.common import OutputKind, SamplingParams
 from .curve_keys import secure_dealer
-
-
-class EngineError(Exception):
-    """The engine refused or failed a request. `code`: invalid_request, overloaded, ..."""
-
-    def __init__(self, message: str, code: str = "internal", request_id: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.request_id = request_id
-
-
-class EngineUnavailable(EngineError):
-    """No answer from the engine within the client's timeout."""
-
-    def __init__(self, message: str):
-        super().__init__(message, "unavailable")
+from .errors import EngineError, EngineUnavailable
+from .request_stream import RequestStream, join_samples
 
 
 def final_only(params: SamplingParams | None) -> SamplingParams:
     """The params of a whole completion: its output held in the engine until it finishes (see
     SamplingParams.output_kind), not sent after every step."""
     return msgspec.structs.replace(params or SamplingParams(), output_kind=OutputKind.FINAL_ONLY)
-
-
-def join_samples(deltas: list[Delta]) -> list[Delta]:
-    """A request's deltas (its n samples interleaved) -> one joined Delta per sample, by index."""
-    parts: dict[int, list[Delta]] = {}
-    for delta in deltas:
-        parts.setdefault(delta.index, []).append(delta)
-    return [join(parts[i]) for i in sorted(parts)]
-
-
-class _Stream:
-    """Pending output of one request. Streaming: deltas merge, per sample index, while nobody
-    reads them, and every delta wakes the reader. Collecting (`collect`, for whole completions):
-    every delta is kept and the reader wakes once, when the last sample has finished, so a
-    batch of non-streamed requests costs no task wake-up per request per step."""
-
-    def __init__(self, request: GenerateRequest, collect: bool = False):
-        self.request = request  # as first sent
-        self.n = max(1, request.params.n)
-        self.collect = collect
-        self.received: dict[int, list[int]] = {}  # token ids of each sample, for a resume
-        self.done: set[int] = set()  # samples that have finished
-        self.resumes = 0  # since its last token
-        self.resumed_at = -1  # the last ping sent before its last resumption
-        self.pending: dict[int, Delta] = {}
-        self.collected: list[Delta] = []
-        self.last_push = time.monotonic()  # when a delta last came: a collecting one's liveness
-        self.finished = 0  # samples whose last delta has arrived
-        self.error: EngineError | None = None
-        self.event = asyncio.Event()
-
-    def push(self, delta: Delta) -> None:
-        self.last_push = time.monotonic()
-        self.finished += delta.finished
-        self.received.setdefault(delta.index, []).extend(delta.token_ids)
-        if delta.token_ids:
-            self.resumes = 0
-        if delta.finished:
-            self.done.add(delta.index)
-        if self.collect:
-            self.collected.append(delta)
-            if self.finished >= self.n:
-                self.event.set()
-            return
-        held = self.pending.get(delta.index)
-        self.pending[delta.index] = delta if held is None else join([held, delta])
-        self.event.set()
-
-    def resumption(self) -> GenerateRequest:
-        """The request again, for an Engine that lost it: each unfinished sample with the tokens
-        received so far."""
-        samples = [
-            ResumedSample(i, self.received.get(i, [])) for i in range(self.n) if i not in self.done
-        ]
-        return msgspec.structs.replace(self.request, resume=samples)
-
-    def fail(self, error: EngineError) -> None:
-        if self.finished >= self.n:
-            return  # it ended before the failure was noticed
-        self.error = error
-        self.event.set()
 
 
 class AsyncClient:
@@ -157,7 +80,7 @@ class AsyncClient:
         secure_dealer(self._socket, server_public_key, client_keys)
         self._socket.connect(address)
         self._decoder = Decoder(EngineToClient)
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._health: dict[str, asyncio.Future] = {}
         self._aborts: set[asyncio.Task] = set()  # aborts of streams left early, in flight
         self._receiver: asyncio.Task | None = None
@@ -223,7 +146,7 @@ class AsyncClient:
                 if future is not None and not future.done():
                     future.set_result(message)
 
-    async def _resume(self, rid: str, stream: _Stream) -> None:
+    async def _resume(self, rid: str, stream: RequestStream) -> None:
         """Send a stream's request again, as a resumption (the Engine restarted and lost it)."""
         if stream.resumes >= self.max_resumes:
             stream.fail(
@@ -288,7 +211,7 @@ class AsyncClient:
             raise EngineError(f"request_id {rid!r} is already streaming", "invalid_request", rid)
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         request = GenerateRequest(rid, text, ids, params or SamplingParams(), priority)
-        stream = self._streams[rid] = _Stream(request, collect)
+        stream = self._streams[rid] = RequestStream(request, collect)
         self._ensure_receiver()
         try:
             await self._send(encode(request))
@@ -298,7 +221,7 @@ class AsyncClient:
             if stream.finished < stream.n and stream.error is None:  # else it is gone already
                 self._abort_soon(rid)
 
-    async def _wait(self, stream: _Stream) -> None:
+    async def _wait(self, stream: RequestStream) -> None:
         """Until the stream has news (a collecting one: until it has finished); raises its
         failure, or EngineUnavailable when nothing came for `timeout_s`."""
         while not stream.event.is_set():

@@ -36,7 +36,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-from .openai_protocol import APIError
+from .openai_errors import APIError
 from .service import GatewaySettings
 
 log = logging.getLogger("gateway")

@@ -28,7 +28,7 @@ from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .openai_protocol import APIError
+from .openai_errors import APIError
 from .openai_routes import error_response
 from .service import GatewaySettings
 

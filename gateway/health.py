@@ -29,7 +29,8 @@ from fastapi.responses import Response
 
 from ..messages.client import HealthReply
 from ..messages.common import SamplingParams
-from .client import AsyncClient, EngineError, EngineUnavailable
+from .client import AsyncClient
+from .errors import EngineError, EngineUnavailable
 from .openai_routes import json_response
 from .service import GatewaySettings
 

@@ -21,28 +21,32 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..messages.client import Delta
 from ..messages.common import FinishReason
-from .client import join_samples
-from .openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
-from .openai_protocol import (
+from .openai_errors import (
     APIError,
+    decode_json,
+    invalid,
+)
+from .openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from .openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from .openai_responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionWithPrompt,
     ChunkDelta,
     Completion,
     CompletionChoice,
     CompletionChoiceWithPrompt,
-    CompletionRequest,
     Usage,
-    decode_json,
     finish_reason,
-    invalid,
     now,
 )
+from .request_stream import join_samples
 from .service import Gateway, GatewaySettings
 
 T = TypeVar("T")

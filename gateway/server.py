@@ -32,12 +32,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .client import AsyncClient, EngineError
+from .client import AsyncClient
 from .connections import GatewayConfig
+from .errors import EngineError
 from .guards import add_guards, has_api_key
 from .health import HealthChecks
 from .metrics import CONTENT_TYPE
-from .openai_protocol import APIError, ModelCard, ModelList, now
+from .openai_errors import APIError
+from .openai_responses import ModelCard, ModelList, now
 from .openai_routes import ClientGone, chat_completions, completions, error_response, json_response
 from .service import Gateway, GatewaySettings
 from .websocket import stream_endpoint

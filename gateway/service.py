@@ -12,15 +12,20 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
 
+from ..config_flags import NOT_A_FLAG
 from ..messages.client import Delta
 from ..messages.common import OutputKind, SamplingParams, max_prompt_chars
-from .client import AsyncClient, EngineError
+from .client import AsyncClient
+from .errors import EngineError
 from .metrics import Metrics
+from .openai_errors import APIError, invalid
 from .openai_logprobs import TokenNames
-from .openai_protocol import APIError, ChatMessage, invalid
+from .openai_requests import ChatMessage
 
 SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
 ENGINE_STATUS = {"invalid_request": 400, "overloaded": 429, "unavailable": 503}
@@ -28,31 +33,68 @@ RETRY_AFTER = {"Retry-After": "1"}
 
 
 class GatewaySettings(msgspec.Struct, kw_only=True):
-    """The gateway's settings; each one (but the first four, from the engine) is a flag of
-    `actorserve serve` (cli.py). Sizes in bytes, times in seconds."""
+    """The gateway's settings; each one not marked NOT_A_FLAG (those come from the engine) is a
+    flag of `actorserve serve`, generated from its field (config_flags.py). Sizes in bytes, times
+    in seconds."""
 
-    model_id: str  # the name clients pass as `model`
-    model_dir: str
-    max_model_len: int
-    vocab_size: int
-    api_key: str | None = None
-    max_concurrent_requests: int = 1024
-    max_body_bytes: int = 8 * 1024 * 1024  # an HTTP body, and a WebSocket message
-    # connections (uvicorn): at most this many open at once, HTTP and WebSocket together
-    max_connections: int = 2048
-    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
-    read_timeout_s: float = 30.0  # a request's head, then its body, must arrive within this
-    max_header_bytes: int = 16 * 1024  # the request line and headers (h11's incomplete event)
-    # a connection whose client takes none of our output for this long is dropped
-    send_timeout_s: float = 30.0
-    max_requests_per_socket: int = 64  # live requests on one WebSocket
-    # /health and /ready
-    health_timeout_s: float = 10.0  # how long either waits for the engine
-    health_interval_s: float = 5.0  # each asks the engine at most once per interval
-    # browsers: Origin values allowed besides the page's own (["*"]: any); Host values
-    # accepted (empty: any)
-    allowed_origins: list[str] = []
-    allowed_hosts: list[str] = []
+    model_id: Annotated[str, Meta(description="the name clients pass as `model`", extra=NOT_A_FLAG)]
+    model_dir: Annotated[str, Meta(description="the checkpoint", extra=NOT_A_FLAG)]
+    max_model_len: Annotated[int, Meta(description="the engine's", extra=NOT_A_FLAG)]
+    vocab_size: Annotated[int, Meta(description="the model's", extra=NOT_A_FLAG)]
+    api_key: Annotated[
+        str | None,
+        Meta(description="require 'Authorization: Bearer KEY'; unset: $ACTORSERVE_API_KEY if set"),
+    ] = None
+    max_concurrent_requests: Annotated[
+        int | None,
+        Meta(description="answer 429 over this many requests in flight; unset: max_live_requests"),
+    ] = None
+    max_body_bytes: Annotated[
+        int, Meta(description="largest request body accepted, and WebSocket message")
+    ] = 8 * 1024 * 1024
+    max_connections: Annotated[
+        int, Meta(description="open HTTP + WebSocket connections; one more gets 503")
+    ] = 2048
+    keep_alive_s: Annotated[
+        float, Meta(description="close an idle keep-alive connection after this")
+    ] = 5.0
+    read_timeout_s: Annotated[
+        float,
+        Meta(description="a request's head, then its body, must arrive within this; else 408"),
+    ] = 30.0
+    max_header_bytes: Annotated[
+        int, Meta(description="longest request line + headers; over it, 431")
+    ] = 16 * 1024
+    send_timeout_s: Annotated[
+        float,
+        Meta(
+            description="drop a connection that takes none of our output for this long, aborting "
+            "its requests"
+        ),
+    ] = 30.0
+    max_requests_per_socket: Annotated[
+        int, Meta(description="live requests on one WebSocket; a generate over it gets an error")
+    ] = 64
+    health_timeout_s: Annotated[
+        float, Meta(description="how long /health and /ready wait for the engine")
+    ] = 10.0
+    health_interval_s: Annotated[
+        float, Meta(description="/health and /ready ask the engine at most once per interval")
+    ] = 5.0
+    allowed_origins: Annotated[
+        list[str],
+        Meta(
+            description="comma-separated browser origins allowed besides the server's own pages "
+            "(CORS, WebSocket handshakes); '*': any; unset: the server's own only"
+        ),
+    ] = []
+    allowed_hosts: Annotated[
+        list[str],
+        Meta(
+            description="comma-separated Host names accepted ('*.example.com': subdomains); set "
+            "it on a private address against DNS rebinding; unset: any"
+        ),
+    ] = []
 
     def accepts_model(self, name: str | None) -> bool:
         return name is None or name in (self.model_id, os.path.basename(self.model_id.rstrip("/")))

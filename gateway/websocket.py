@@ -39,7 +39,8 @@ from fastapi import WebSocket, WebSocketDisconnect
 from ..messages.client import Delta
 from ..messages.common import SamplingParams
 from .guards import refuse
-from .openai_protocol import APIError, ChatMessage, decode_json, invalid
+from .openai_errors import APIError, decode_json, invalid
+from .openai_requests import ChatMessage
 from .service import RETRY_AFTER, Gateway
 
 log = logging.getLogger("gateway")

@@ -29,7 +29,8 @@ import time
 from urllib.parse import urlsplit
 
 from actorserve.checkpoints import ensure_checkpoint
-from actorserve.gateway.client import AsyncClient, Client, EngineError
+from actorserve.gateway.client import AsyncClient, Client
+from actorserve.gateway.errors import EngineError
 from actorserve.messages.common import SamplingParams
 
 VICTIMS = ("worker", "scheduler", "block_manager", "engine", "gateway")

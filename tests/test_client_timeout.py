@@ -8,7 +8,8 @@ import time
 import pytest
 import zmq
 
-from actorserve.gateway.client import AsyncClient, EngineUnavailable
+from actorserve.gateway.client import AsyncClient
+from actorserve.gateway.errors import EngineUnavailable
 from actorserve.messages.client import ClientToEngine, Delta
 from actorserve.messages.codec import Decoder, encode
 

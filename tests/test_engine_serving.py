@@ -10,7 +10,8 @@ import sys
 import msgspec
 import pytest
 
-from actorserve.gateway.client import AsyncClient, EngineError
+from actorserve.gateway.client import AsyncClient
+from actorserve.gateway.errors import EngineError
 from actorserve.messages.client import ErrorReply, GenerateRequest
 from actorserve.messages.codec import encode
 from actorserve.messages.common import SamplingParams

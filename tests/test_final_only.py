@@ -10,8 +10,8 @@ import asyncio
 import msgspec
 import pytest
 
-from actorserve.gateway.client import AsyncClient, join
-from actorserve.messages.client import Delta
+from actorserve.gateway.client import AsyncClient
+from actorserve.messages.client import Delta, join
 from actorserve.messages.common import OutputKind, SamplingParams
 from support import EngineServer, hf_greedy, prompts_of_lengths
 

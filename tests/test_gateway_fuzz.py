@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
-from actorserve.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from actorserve.gateway.openai_requests import ChatCompletionRequest, CompletionRequest
 from actorserve.messages.common import SamplingParams
 
 SEED = 20240601

@@ -16,7 +16,8 @@ import msgspec
 import pytest
 import zmq
 
-from actorserve.gateway.client import AsyncClient, EngineError
+from actorserve.gateway.client import AsyncClient
+from actorserve.gateway.errors import EngineError
 from actorserve.messages.client import EngineToClient, ErrorReply, GenerateRequest
 from actorserve.messages.codec import Decoder, encode
 from actorserve.messages.common import SamplingParams

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from actorserve.actors.quarantine import Quarantine
-from actorserve.gateway.client import AsyncClient, EngineError
+from actorserve.gateway.client import AsyncClient
+from actorserve.gateway.errors import EngineError
 from actorserve.messages.common import SamplingParams
 from support import EngineServer, hf_greedy, prompts_of_lengths
 

@@ -22,7 +22,8 @@ import zmq
 from actorserve import cli
 from actorserve.actors.config import WORKER_STEPS, EngineConfig
 from actorserve.actors.supervisor import BackgroundSupervisor
-from actorserve.gateway.client import AsyncClient, Client, EngineError
+from actorserve.gateway.client import AsyncClient, Client
+from actorserve.gateway.errors import EngineError
 from actorserve.messages.blocks import AllocateStep, BlockNeed
 from actorserve.messages.codec import encode
 from actorserve.messages.common import SamplingParams
