@@ -7,7 +7,7 @@
    Worker tracing its steps (EngineConfig.step_trace, actors/step_trace.py). Over the decode
    steps that run all `--num-requests` requests, each step's period (one step start to the next)
    is split into: decoder forward and lm_head (the model; with every row greedy, the LM head
-   picks the tokens itself, kernels/cpu_panel_gemm.c, so the argmax is in that row), input
+   picks the tokens itself, kernels/cpu/csrc/cpu_panel_gemm.c, so the argmax is in that row), input
    preparation (applying the StepPlan to the persistent batch, flat inputs), sampling and
    bookkeeping, and the time outside the Worker's step (StepResult out, the Scheduler's stop
    checks and TokensOut, the next plan, the BlockManager round trip, StepPlan in: scheduling,
