@@ -14,22 +14,22 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from step_planner_support import PREFIXES, Simulation, Spec, final_only, planner_config
 
 from actorserve.actors.block_pool import BlockPool
 from actorserve.actors.step_planner import StepPlanner
 from actorserve.messages.blocks import AllocateStep
 from actorserve.messages.common import SamplingParams
 from actorserve.messages.step import AbortRequests, AddRequest, StepPlan, StepResult
-from step_planner_support import PREFIXES, Simulation, Spec, final_only, planner_config
 
 MAX_MODEL_LEN = 48
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
-def specs(draw, count=st.integers(1, 10), priorities=st.just(0), forks=False, aborts=False):
+def specs(draw, count=(1, 10), priorities=(0, 0), forks=False, aborts=False):
     out = []
-    for i in range(draw(count)):
+    for i in range(draw(st.integers(*count))):
         prefix = PREFIXES[draw(st.integers(0, len(PREFIXES) - 1))]
         tail = draw(st.lists(st.integers(2, 11), min_size=1, max_size=36 - len(prefix)))
         max_tokens = draw(st.integers(1, 20))
@@ -43,15 +43,17 @@ def specs(draw, count=st.integers(1, 10), priorities=st.just(0), forks=False, ab
         if draw(st.integers(0, 4)) == 0:
             params = final_only(params)
         abort_after = draw(st.one_of(st.none(), st.integers(1, 300))) if aborts else None
-        out.append(Spec(f"r{i}", prefix + tail, params, draw(priorities), abort_after))
+        priority = draw(st.integers(*priorities))
+        out.append(Spec(f"r{i}", prefix + tail, params, priority, abort_after))
     return out
 
 
 @st.composite
-def configs(draw, blocks=st.integers(1, 3), async_scheduling=st.booleans(), seqs=(1, 6)):
+def configs(draw, blocks=(1, 3), spare=(0, 12), async_scheduling=None, seqs=(1, 6)):
+    """A pool of `blocks` times max_model_len plus `spare` blocks; async_scheduling None: either."""
     block_size = draw(st.sampled_from([4, 8]))
     min_blocks = -(-MAX_MODEL_LEN // block_size)
-    num_blocks = min_blocks * draw(blocks) + draw(st.integers(0, min_blocks))
+    num_blocks = min_blocks * draw(st.integers(*blocks)) + draw(st.integers(*spare))
     max_num_seqs = draw(st.integers(*seqs))
     swap = draw(st.booleans())
     return planner_config(
@@ -63,7 +65,7 @@ def configs(draw, blocks=st.integers(1, 3), async_scheduling=st.booleans(), seqs
         preemption_mode="swap" if swap else "recompute",
         num_cpu_blocks=draw(st.integers(0, num_blocks)) if swap else 0,
         preemption_victim=draw(st.sampled_from(["fewest_computed", "last_admitted"])),
-        async_scheduling=draw(async_scheduling),
+        async_scheduling=draw(st.booleans()) if async_scheduling is None else async_scheduling,
         enable_prefix_caching=draw(st.booleans()),
     )
 
@@ -75,32 +77,36 @@ def simulate(config, workload, seed) -> Simulation:
     return simulation
 
 
-@settings(max_examples=60, **SETTINGS)
-@given(configs(), specs(count=st.integers(1, 12)), st.integers(0, 2**32))
+@settings(max_examples=100, **SETTINGS)
+@given(configs(), specs(count=(1, 12)), st.integers(0, 2**32))
 def test_budgets_hold_and_every_running_decode_is_in_every_step_it_can_be(config, work, seed):
     simulate(config, work, seed)
 
 
-@settings(max_examples=60, **SETTINGS)
-@given(configs(blocks=st.just(1)), specs(count=st.integers(4, 12)), st.integers(0, 2**32))
+@settings(max_examples=100, **SETTINGS)
+@given(
+    configs(blocks=(1, 1), spare=(0, 2), seqs=(2, 6)),
+    specs(count=(4, 14)),
+    st.integers(0, 2**32),
+)
 def test_small_pools_preempt_in_the_documented_order_and_leak_no_block(config, work, seed):
     simulate(config, work, seed)
 
 
-@settings(max_examples=60, **SETTINGS)
+@settings(max_examples=100, **SETTINGS)
 @given(
-    configs(blocks=st.integers(1, 2), async_scheduling=st.just(True)),
-    specs(count=st.integers(2, 12), forks=True, aborts=True),
+    configs(blocks=(1, 2), async_scheduling=True),
+    specs(count=(2, 12), forks=True, aborts=True),
     st.integers(0, 2**32),
 )
 def test_overlapped_steps_read_only_their_own_kv_through_forks_aborts_and_stops(config, work, seed):
     simulate(config, work, seed)
 
 
-@settings(max_examples=60, **SETTINGS)
+@settings(max_examples=100, **SETTINGS)
 @given(
     configs(seqs=(1, 3)),
-    specs(count=st.integers(3, 12), priorities=st.integers(0, 2)),
+    specs(count=(3, 12), priorities=(0, 2)),
     st.integers(0, 2**32),
 )
 def test_higher_priorities_take_seats_and_nobody_jumps_the_queue(config, work, seed):
@@ -110,7 +116,7 @@ def test_higher_priorities_take_seats_and_nobody_jumps_the_queue(config, work, s
 @settings(max_examples=40, **SETTINGS)
 @given(
     configs(),
-    specs(count=st.integers(1, 12), priorities=st.integers(0, 1), forks=True, aborts=True),
+    specs(count=(1, 12), priorities=(0, 1), forks=True, aborts=True),
     st.integers(0, 2**32),
 )
 def test_every_request_ends_once_at_its_stop_token_or_length_or_when_aborted(config, work, seed):
