@@ -18,7 +18,9 @@ in flight never loses its blocks; if the running requests do not fit, the BlockM
 the whole step and the planner plans again, the normal way, once step N is done. A request
 that step N ends (stop token, abort) is computed once more by step N+1 and that token dropped.
 Blocks freed meanwhile may go to others only from step N+2 on, which the Worker runs after step
-N+1, so a step never sees its blocks rewritten.
+N+1, so a step never sees its blocks rewritten. Likewise a request aborted while its step is
+being allocated is computed by that step all the same (its tokens dropped): the BlockManager
+has put the blocks the step fills in the prefix cache, and others may hit them.
 
 The budget goes to every running decode first, then to running prefill chunks, then to waiting
 requests by (priority, arrival). Since max_num_batched_tokens >= max_num_seqs (checked at start),
@@ -27,11 +29,6 @@ step whose size is bounded by the token budget. A waiting request of higher prio
 lowest running one takes that one's seat when none is free (the displaced one is recomputed).
 Preemption victims (the tail of AllocateStep.needs) are the lowest priority, then either the
 fewest computed tokens (least work lost, the default) or the last admitted.
-
-Driving it (the Scheduler actor; tests in-process): `add`, `granted(Allocation)`, `applied(
-StepResult)` and `abort` each return what to send (or None), then `plan()` returns the next
-messages, one a call, until None. Before each, send `take_frees()`: the BlockManager frees the
-blocks of finished and displaced requests before it allocates the next step.
 """
 
 from __future__ import annotations
@@ -74,6 +71,10 @@ class PendingAllocation:
 
 
 class StepPlanner:
+    """Each method takes a message and returns what to send (None: nothing); `plan()` returns
+    the next step's message, one a call, until None. Send `take_frees()` before each: the
+    BlockManager frees finished and displaced requests' blocks before it allocates a step."""
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.eos_token_ids = config.facts.eos_token_ids
@@ -99,10 +100,8 @@ class StepPlanner:
 
     def take_frees(self) -> FreeBlocks | None:
         """The frees to send the BlockManager before anything else (None: none)."""
-        if not self.frees:
-            return None
         frees, self.frees = self.frees, []
-        return FreeBlocks(self.epoch, frees)
+        return FreeBlocks(self.epoch, frees) if frees else None
 
     def is_stale(self, message: Allocation | StepResult) -> bool:
         """From before a reset, or for a step this planner does not wait for."""
@@ -120,7 +119,7 @@ class StepPlanner:
         max_len = self.config.max_model_len
         request = Request(message, self.eos_token_ids, next(self.arrivals), max_len)
         self.requests[request.request_id] = request
-        self._enqueue(request)
+        bisect.insort(self.waiting, request, key=Request.queue_key.fget)
         self.counters.prompt_tokens += request.num_prompt_tokens
         self.stalled = False
 
@@ -131,9 +130,6 @@ class StepPlanner:
         if not aborted:
             return None
         return TokensOut(self.epoch, [r.last_output(FinishReason.ABORT) for r in aborted])
-
-    def _enqueue(self, request: Request) -> None:
-        bisect.insort(self.waiting, request, key=lambda r: r.queue_key)
 
     def _finish(self, request: Request) -> None:
         """Forget a request; its blocks go back to the pool (freed before any new step)."""
@@ -156,7 +152,7 @@ class StepPlanner:
         request.num_scheduled = request.num_computed  # nothing is in flight when preempting
         request.capacity = 0  # its blocks are freed or swapped out
         self.removed.append(request.request_id)
-        self._enqueue(request)
+        bisect.insort(self.waiting, request, key=Request.queue_key.fget)
         self.counters.num_preemptions += 1
         self.counters.num_swaps += swapped
 
@@ -191,7 +187,7 @@ class StepPlanner:
                 held = held and request.num_scheduled + count <= request.capacity
         admissions = self._offer_waiting(overlapped, budget)
         if running and not admissions and held:
-            return self._plan_in_held_blocks(running, counts, overlapped)
+            return self._plan_in_held_blocks(counts, overlapped)
         told = {rid: r.told_block_manager for rid, r in running.items()}
         needs = [
             r.block_need(counts[r.request_id], False, self.config.block_size)
@@ -243,22 +239,19 @@ class StepPlanner:
             seats -= 1
         return offers
 
-    def _plan_in_held_blocks(
-        self, running: dict[str, Request], counts: dict[str, int], overlapped: bool
-    ) -> StepPlan:
+    def _plan_in_held_blocks(self, counts: dict[str, int], overlapped: bool) -> StepPlan:
         """A step of running requests only, each within the blocks it holds: no AllocateStep."""
         self.step_id += 1
         plan = StepPlan(self.epoch, self.step_id, self.removed, [], [])
         self.removed = []
-        scheduled = []
-        for rid, request in running.items():
-            count = counts[rid]
+        scheduled = [(self.running[rid], count) for rid, count in counts.items()]
+        for request, count in scheduled:
             request.schedule_tokens(request.num_scheduled, count)
-            scheduled.append((request, count))
-            plan.running.append(RunningUpdate(rid, [], count))
+            plan.running.append(RunningUpdate(request.request_id, [], count))
         return self._launch(plan, scheduled, overlapped)
 
     def _launch(self, plan: StepPlan, scheduled: list[tuple[Request, int]], overlapped: bool):
+        """The Worker will run it: its StepResult is awaited in order."""
         self.in_flight.append((self.step_id, scheduled))
         self.counters.num_overlapped_steps += overlapped
         return plan
@@ -314,39 +307,46 @@ class StepPlanner:
             for rid in rids:
                 if rid in self.requests:  # else aborted while the allocation was on its way
                     self._preempt(self.requests[rid], swapped)
+        # A grant to a request aborted meanwhile is computed all the same (see the module's
+        # docstring); it leaves the Worker's batch with the next plan.
+        gone = [g.request_id for g in message.granted if not self._alive(pending, g.request_id)]
+        removed = [rid for rid in self.removed if rid not in gone]
         swaps = (message.swap_out, message.swap_in, message.copies)
-        plan = StepPlan(self.epoch, pending.step_id, self.removed, [], [], *swaps)
-        self.removed = []
-        scheduled = [
-            (pending.requests[grant.request_id], grant)
-            for grant in message.granted
-            if self.requests.get(grant.request_id) is pending.requests[grant.request_id]
-        ]  # else aborted meanwhile; its frees followed the AllocateStep
-        for request, grant in scheduled:
-            self._schedule_grant(request, grant, plan)
+        plan = StepPlan(self.epoch, pending.step_id, removed, [], [], *swaps)
+        self.removed = gone
+        scheduled = []
+        for grant in message.granted:
+            request = pending.requests[grant.request_id]
+            self._schedule_grant(request, grant, plan, pending)
+            scheduled.append((request, grant.num_new_tokens))
         if scheduled:
-            steps = [(request, grant.num_new_tokens) for request, grant in scheduled]
-            return self._launch(plan, steps, pending.overlapped)
+            return self._launch(plan, scheduled, pending.overlapped)
         if pending.overlapped:  # wait for the step in flight (unless it is done)
             self.overlap_paused = True
-        elif not (message.preempted or message.swapped or message.granted):
-            self.stalled = True  # the pool is as it was (grants to the aborted are freed)
+        elif not (message.preempted or message.swapped):  # the pool is as it was
+            self.stalled = True
         if plan.removed or plan.swap_out:
             plan.swap_in = []
             return plan
         return None
 
-    def _schedule_grant(self, request: Request, grant: Grant, plan: StepPlan) -> None:
+    def _alive(self, pending: PendingAllocation, request_id: str) -> bool:
+        return self.requests.get(request_id) is pending.requests[request_id]
+
+    def _schedule_grant(
+        self, request: Request, grant: Grant, plan: StepPlan, pending: PendingAllocation
+    ) -> None:
         request.schedule_tokens(grant.num_computed, grant.num_new_tokens)
         room = len(grant.block_ids) * self.config.block_size
         rid = request.request_id
-        if rid in self.running:  # block_ids: its new blocks
+        if rid in pending.told:  # it was running: block_ids are its new blocks
             request.capacity += room
             plan.running.append(RunningUpdate(rid, grant.block_ids, grant.num_new_tokens))
             return
-        self.waiting.remove(request)
-        self.running[rid] = request
-        plan.new.append(request.admit(grant, room))
+        if self._alive(pending, rid):
+            self.waiting.remove(request)
+            self.running[rid] = request
+        plan.new.append(request.admit(grant, room))  # block_ids: its whole table
 
     # -- the Worker's answer -----------------------------------------------------------------
 
@@ -371,22 +371,22 @@ class StepPlanner:
         return TokensOut(self.epoch, outputs) if outputs else None
 
     def _apply(self, scheduled: list[tuple[Request, int]], result: StepResult):
+        live = {}  # the step's requests not finished or aborted since it was planned
         for request, count in scheduled:
-            if self.requests.get(request.request_id) is not request:
-                continue  # finished or aborted while the step ran
-            request.num_computed += count
-            if request.num_computed < len(request.token_ids):
-                self.counters.num_partial_prefills += 1
+            if self.requests.get(request.request_id) is request:
+                live[request.request_id] = request
+                request.num_computed += count
+                if request.num_computed < len(request.token_ids):
+                    self.counters.num_partial_prefills += 1
         for chunk in result.prompt_logprobs:
-            request = self.requests.get(chunk.request_id)
+            request = live.get(chunk.request_id)
             if request is not None:
                 request.add_prompt_logprobs(chunk)
-        outputs, requests = [], self.requests
-        generated = 0
+        outputs, generated = [], 0
         logprobs = result.logprobs or itertools.repeat(None)
         for rid, token, lp in zip(result.request_ids, result.token_ids, logprobs):
-            request = requests.get(rid)
-            if request is None:  # finished or aborted while the step ran
+            request = live.get(rid)
+            if request is None:  # finished or aborted since the step was planned
                 continue
             generated += 1
             output = request.add_sample(token, lp)
