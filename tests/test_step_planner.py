@@ -225,3 +225,22 @@ def test_request_invariants_name_the_broken_relation():
     request.num_scheduled = 3
     with pytest.raises(AssertionError, match="waiting: nothing in flight"):
         request.check_invariants(running=False)
+
+
+def test_a_request_aborted_while_its_step_is_allocated_is_still_computed_by_that_step():
+    """The BlockManager put the blocks that step fills in the prefix cache: were they not
+    computed, a request with the same prompt would read KV that was never written."""
+    config = planner_config(block_size=4, num_kv_blocks=16, max_num_seqs=1, async_scheduling=False)
+    planner, pool = StepPlanner(config), BlockPool.for_config(config)
+    for rid in ("a", "b"):
+        planner.add(AddRequest(rid, list(range(2, 11)), SamplingParams(max_tokens=4)))
+    step = planner.plan()
+    assert planner.abort(AbortRequests(["a"])).outputs[0].finish_reason == "abort"
+    plan = planner.granted(allocate(pool, step))
+    pool.free(planner.take_frees().request_ids[0])  # the free follows the AllocateStep
+    assert [n.request_id for n in plan.new] == ["a"]  # computed, its token dropped
+    run_step(planner, pool, plan)
+    step = planner.plan()
+    plan = planner.granted(allocate(pool, step))
+    assert plan.removed == ["a"] and plan.new[0].request_id == "b"
+    assert plan.new[0].num_computed_tokens == 8  # a's two full blocks, hit
