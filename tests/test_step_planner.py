@@ -244,3 +244,11 @@ def test_a_request_aborted_while_its_step_is_allocated_is_still_computed_by_that
     plan = planner.granted(allocate(pool, step))
     assert plan.removed == ["a"] and plan.new[0].request_id == "b"
     assert plan.new[0].num_computed_tokens == 8  # a's two full blocks, hit
+
+
+def test_after_a_reset_the_planner_forgets_every_request_and_drops_the_old_epochs_answers():
+    planner, pool = one_request_planner(async_scheduling=False)
+    allocation = allocate(pool, planner.plan())
+    planner.reset(1)
+    assert planner.is_stale(allocation) and planner.granted(allocation) is None
+    assert not planner.requests and planner.plan() is None and planner.take_frees() is None
