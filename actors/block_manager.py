@@ -29,25 +29,15 @@ class BlockManager(Actor):
         super().__init__(config)
         if config.num_kv_blocks is None:
             raise ValueError("num_kv_blocks must be resolved (the Worker's Ready) before start")
-        self.pool = self._new_pool()
+        self.pool = BlockPool.for_config(config)
         self.epoch = config.epoch
-
-    def _new_pool(self) -> BlockPool:
-        cfg = self.config
-        return BlockPool(
-            cfg.num_kv_blocks,
-            cfg.block_size,
-            prefix_caching=cfg.enable_prefix_caching,
-            num_cpu_blocks=cfg.num_cpu_blocks or 0,
-            swap=cfg.preemption_mode == "swap",
-        )
 
     def ready(self) -> Ready:
         return Ready(actor=self.name, pid=os.getpid(), num_kv_blocks=self.pool.num_blocks)
 
     def on_reset(self, message: Reset) -> None:
         self.epoch = message.epoch
-        self.pool = self._new_pool()
+        self.pool = BlockPool.for_config(self.config)
 
     def on_allocate_step(self, message: AllocateStep) -> None:
         if message.epoch != self.epoch:

@@ -19,6 +19,7 @@ from collections import OrderedDict
 
 from ..messages.blocks import Allocation, BlockNeed, Grant
 from .block_hash import NO_SALT, chain_hashes, chain_root
+from .config import EngineConfig
 
 
 class Block:
@@ -60,6 +61,17 @@ class BlockPool:
         self.num_forks = 0  # samples that took another sample's prompt blocks
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of which found
+
+    @classmethod
+    def for_config(cls, config: EngineConfig) -> BlockPool:
+        """The pool of a resolved config (num_kv_blocks known), as the BlockManager keeps it."""
+        return cls(
+            config.num_kv_blocks,
+            config.block_size,
+            prefix_caching=config.enable_prefix_caching,
+            num_cpu_blocks=config.num_cpu_blocks or 0,
+            swap=config.preemption_mode == "swap",
+        )
 
     @property
     def num_free(self) -> int:
