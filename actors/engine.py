@@ -26,7 +26,7 @@ its requests aborted: nothing runs on for nobody.
 Parallel samples: a GenerateRequest with n > 1 fans out into n child requests (live_request.py),
 each journaled and resumed like any request; aborting the client's id aborts every child. Sample
 0 computes the prompt; samples i > 0 wait for it, then fork: they share its prompt blocks, the
-partial last block copied on write (Scheduler._fork_need, BlockPool._fork).
+partial last block copied on write (Request.fork_need, BlockPool._fork).
 """
 
 from __future__ import annotations
