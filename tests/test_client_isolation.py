@@ -51,11 +51,17 @@ class RawClient:
         self.socket.send(encode(message))
 
     def deltas_until_done(self, request_ids: set[str], timeout_s: float = 60) -> dict:
-        """Every delta of these requests, joined by id, until each has finished."""
+        """Every delta of these requests, joined by id, until each has finished. It pings once a
+        second while it reads, as the SDK does: a client that only reads is silent, and the
+        Engine aborts a silent client's requests after client_lease_s."""
         got: dict[str, list[Delta]] = {rid: [] for rid in request_ids}
         deadline = time.monotonic() + timeout_s
+        pinged = time.monotonic()
         while any(not d or not d[-1].finished for d in got.values()):
             assert time.monotonic() < deadline, "timed out"
+            if time.monotonic() - pinged >= 1.0:
+                self.send(Ping(sorted(request_ids)))
+                pinged = time.monotonic()
             if not self.socket.poll(200):
                 continue
             message = self.decoder.decode(self.socket.recv())
@@ -66,11 +72,12 @@ class RawClient:
         return got
 
     def pong(self, request_ids: list[str]) -> Pong:
+        """The Pong to a Ping of these ids (seq 1: the reading loop's keep-alive pings are 0)."""
         self.send(Ping(request_ids, seq=1))
         while True:
             assert self.socket.poll(10_000)
             message = self.decoder.decode(self.socket.recv())
-            if isinstance(message, Pong):
+            if isinstance(message, Pong) and message.seq == 1:
                 return message
 
     def close(self) -> None:
