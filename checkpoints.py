@@ -97,11 +97,19 @@ def _spec(
 
 
 _TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, head_dim=64)
+_DEMO = dict(
+    hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+)  # fmt: skip
 KINDS: dict[str, CheckpointSpec] = {
-    "demo": _spec(
-        "llama", 1, "Llama, ~19M params",
-        hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    "demo": _spec("llama", 1, "Llama, ~19M params", **_DEMO),
+    "demo-bf16": _spec(
+        "llama", 9, "the demo's shape, bf16 on disk as released checkpoints ship", **_DEMO,
+        dtype="bfloat16",
+    ),
+    "tiny-qwen3-bf16": _spec(
+        "qwen3", 10, "tiny-qwen3's shape (q/k norm), bf16 on disk",
+        **_TINY, num_attention_heads=4, num_key_value_heads=2, dtype="bfloat16",
     ),
     "tiny-llama": _spec(
         "llama", 2, "Llama, tied embeddings",

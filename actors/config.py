@@ -29,10 +29,12 @@ PreemptionMode = Literal["recompute", "swap"]
 VictimPolicy = Literal["fewest_computed", "last_admitted"]
 GreedyHeadScreen = Literal["auto", "int8", "bf16", "off"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+KvCacheDtype = Literal["auto", "bfloat16", "float32"]
 PREEMPTION_MODES = get_args(PreemptionMode)
 VICTIM_POLICIES = get_args(VictimPolicy)
 GREEDY_HEAD_SCREENS = get_args(GreedyHeadScreen)
 DTYPES = get_args(Dtype)
+KV_CACHE_DTYPES = get_args(KvCacheDtype)
 
 
 class ModelFacts(msgspec.Struct, frozen=True):
@@ -145,7 +147,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: Annotated[
         str, Meta(description="torch device (cpu, cuda, cuda:1); auto: cuda if there is one")
     ] = "auto"
-    dtype: Annotated[Dtype, Meta(description="auto: float32 on CPU, bfloat16 on CUDA")] = "auto"
+    dtype: Annotated[
+        Dtype,
+        Meta(
+            description="weights and activations; auto: the checkpoint's where the device runs "
+            "it natively (CUDA; a CPU with AMX-BF16 or AVX512-BF16), else float32"
+        ),
+    ] = "auto"
+    kv_cache_dtype: Annotated[
+        KvCacheDtype, Meta(description="the KV cache's dtype; auto: the model's (dtype)")
+    ] = "auto"
     attention_backend: Annotated[
         str,
         Meta(
@@ -250,6 +261,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"one of {PREEMPTION_MODES}",
             ),
             ("dtype", self.dtype in DTYPES, f"one of {DTYPES}"),
+            ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {KV_CACHE_DTYPES}"),
             (
                 "greedy_head_screen",
                 self.greedy_head_screen in GREEDY_HEAD_SCREENS,

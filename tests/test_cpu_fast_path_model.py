@@ -16,10 +16,11 @@ from actorserve.actors.worker.loader import load_model
 from actorserve.checkpoints import ensure_checkpoint
 from actorserve.kernels import attention_ops
 from actorserve.kernels.cpu import bindings
+from actorserve.kernels.cpu.capability import cpu_has_bf16
 from actorserve.kernels.cpu.elementwise import C_ELEMENTWISE
 from actorserve.kernels.cpu.fast_path import CpuFastPath
 from actorserve.kernels.cpu.panels import GreedyHead, PackedLinear
-from actorserve.kernels.cpu.screened_head import ScreenedGreedyHead, cpu_has_bf16
+from actorserve.kernels.cpu.screened_head import ScreenedGreedyHead
 from actorserve.kernels.cpu.screened_head_int8 import Int8ScreenedHead
 from model_support import (
     BLOCK_SIZE,

@@ -54,6 +54,8 @@ def build_runner(cfg: EngineConfig):
 
     from ...kernels.cpu.fast_path import CpuFastPath
     from ...kernels.elementwise import TORCH_ELEMENTWISE
+    from ..model_config import ModelConfig
+    from . import dtypes
     from .kv_cache import KVCache
     from .loader import load_model
     from .runner import ModelRunner
@@ -61,29 +63,33 @@ def build_runner(cfg: EngineConfig):
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     )
-    dtype = {
-        "auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-        "float32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "float16": torch.float16,
-    }[cfg.dtype]
+    stored = ModelConfig.from_dir(cfg.model).dtype  # config.json's dtype (or torch_dtype)
+    dtype, dtype_reason = dtypes.model_dtype(cfg.dtype, stored, device)
+    kv_dtype, kv_reason = dtypes.kv_cache_dtype(cfg.kv_cache_dtype, dtype)
     fast_path = CpuFastPath.create(cfg, device)  # None: plain torch (off, not CPU, no compiler)
     ops = attention_ops(device, cfg.attention_backend, c_kernels=fast_path is not None)
+    if ops.name == "triton" and kv_dtype != dtype:
+        raise ValueError(
+            f"kv_cache_dtype must be the model's dtype ({dtype}) with the triton attention "
+            f"backend, got {kv_dtype}"
+        )
     elementwise = TORCH_ELEMENTWISE if fast_path is None else fast_path.elementwise
     model, shape = load_model(cfg.model, device, dtype, ops, elementwise)
     layout = (shape.num_layers, cfg.block_size, shape.num_kv_heads, shape.head_dim)
-    block_bytes = KVCache.block_bytes(*layout, dtype)
+    block_bytes = KVCache.block_bytes(*layout, kv_dtype)
     num_blocks = cfg.num_kv_blocks or max(1, kv_budget_bytes(cfg, device) // block_bytes)
     num_cpu_blocks = cfg.num_cpu_blocks
     if num_cpu_blocks is None:
         num_cpu_blocks = num_blocks if cfg.preemption_mode == "swap" else 0
     kv = KVCache(
         shape.num_layers, num_blocks, num_cpu_blocks, cfg.block_size, shape.num_kv_heads,
-        shape.head_dim, dtype, device, None if fast_path is None else fast_path.zeros,
+        shape.head_dim, kv_dtype, device, None if fast_path is None else fast_path.zeros,
     )  # fmt: skip
     if fast_path is not None:
         fast_path.prepare(model, kv.layers)
-    logging.getLogger(Worker.name).info(
+    log = logging.getLogger(Worker.name)
+    log.info("dtype %s (%s); KV cache %s (%s)", dtype, dtype_reason, kv_dtype, kv_reason)
+    log.info(
         "model %s on %s (%s, %d threads, attention %s, CPU fast path %s): %d KV blocks of %d "
         "tokens", cfg.model, device, dtype, torch.get_num_threads(), ops.name,
         "on" if fast_path is not None else "off", num_blocks, cfg.block_size,

@@ -16,4 +16,5 @@ The runner and the Worker use one interface, fast_path.CpuFastPath. Behind it:
     decode_stack.py     a whole decode step in one C call
     decode_inputs.py    a decode step's flat inputs, written in C into reused buffers
     huge_pages.py       large tensors on 2 MiB pages
+    capability.py       what the CPU does in hardware (native bf16): one place for every choice
 """

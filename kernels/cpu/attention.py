@@ -144,10 +144,19 @@ class CpuAttention:
         query_start_loc: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """Same contract as kernels.reference.paged_attention."""
-        out = self._native(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-        if out is not None:
-            return out
+        """Same contract as kernels.reference.paged_attention. A cache in a wider dtype than q
+        (an fp32 KV cache under a bf16 model) is attended in the cache's dtype, the result
+        rounded to q's."""
+        work = torch.promote_types(q.dtype, k_cache.dtype)
+        meta = (block_tables, seq_lens, query_start_loc, scale)
+        out = self._native(q.to(work), k_cache, v_cache, *meta)
+        if out is None:
+            out = self._torch_path(q.to(work), k_cache, v_cache, *meta)
+        return out.to(q.dtype)
+
+    def _torch_path(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+        """The paged attention in torch (SDPA: accumulation and softmax in fp32 for bf16 inputs);
+        K/V are read in q's dtype."""
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         gqa = q.shape[1] != num_kv_heads
         layout = self._step_layout(block_tables, seq_lens, query_start_loc, block_size)
@@ -155,8 +164,8 @@ class CpuAttention:
         for g in layout.decode:
             _grouped_decode(q, k_cache, v_cache, g, scale, gqa, out)
         for p in layout.prefill:
-            k = k_cache.index_select(0, p.blocks).view(1, -1, num_kv_heads, head_dim)
-            v = v_cache.index_select(0, p.blocks).view(1, -1, num_kv_heads, head_dim)
+            k = k_cache.index_select(0, p.blocks).view(1, -1, num_kv_heads, head_dim).to(q.dtype)
+            v = v_cache.index_select(0, p.blocks).view(1, -1, num_kv_heads, head_dim).to(q.dtype)
             k, v = k[:, : p.context].transpose(1, 2), v[:, : p.context].transpose(1, 2)
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             o = F.scaled_dot_product_attention(
@@ -172,8 +181,8 @@ def _grouped_decode(q, k_cache, v_cache, g: _DecodeGroup, scale: float, gqa: boo
     rows = g.token_rows.numel()
     length = g.num_blocks * block_size
     # [R * nb, bs, Hkv, D] -> [R, L, Hkv, D] -> strided view [R, Hkv, L, D]
-    k = k_cache.index_select(0, g.blocks).view(rows, length, num_kv_heads, head_dim)
-    v = v_cache.index_select(0, g.blocks).view(rows, length, num_kv_heads, head_dim)
+    k = k_cache.index_select(0, g.blocks).view(rows, length, num_kv_heads, head_dim).to(q.dtype)
+    v = v_cache.index_select(0, g.blocks).view(rows, length, num_kv_heads, head_dim).to(q.dtype)
     qd = q.index_select(0, g.token_rows).unsqueeze(2)  # [R, Hq, 1, D]
     o = F.scaled_dot_product_attention(
         qd, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask, scale=scale, enable_gqa=gqa

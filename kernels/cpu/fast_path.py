@@ -72,11 +72,13 @@ class CpuFastPath:
         self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None
     ) -> None:
         """Lay out and pack `model`'s weights for the CPU (the module docstring) and pack the
-        decode stack over `kv_caches` where it serves (None: no decode stack). A model not in
-        fp32 on the CPU keeps its weights' values; its steps then run through it as they are."""
+        decode stack over `kv_caches` where it serves (None: no decode stack). Everything here
+        is fp32-only: a bf16 model's weights stay as loaded, with no packed projection, fused
+        head or decode stack, and its steps run through the model (plain torch); an fp32 model
+        over a bf16 KV cache gets no decode stack."""
         self._model = model
         for module in model.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
                 module.weight.data = module.weight.data.t().contiguous().t()
         self._pack_projections(model)
         weight = model.lm_head_weight()

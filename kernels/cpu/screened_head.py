@@ -31,12 +31,12 @@ unless EngineConfig.greedy_head_screen asks for it by name (kernels/cpu/lm_head.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
 from . import bindings
+from .capability import cpu_has_bf16
 from .panels import GreedyHead
 
 log = logging.getLogger(__name__)
@@ -44,20 +44,6 @@ BOUND = 0.0128  # |y_j - e_j| <= BOUND |a| |w_j| (above)
 FACTOR = 1.0 / 64.0  # the screen's bound: BOUND and room for its own fp32 rounding
 MAX_HIDDEN = 8192  # the bound above holds up to this hidden size
 PACK_ROWS = 64  # oneDNN's packing hint: a step's sampling rows
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-@functools.cache
-def cpu_has_bf16() -> bool:
-    """Whether this CPU does bf16 products in hardware (Linux /proc/cpuinfo flags)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return any(flag in line.split() for flag in BF16_FLAGS)
-    except OSError:
-        pass
-    return False
 
 
 class ScreenedHead:
