@@ -59,11 +59,16 @@ class ActorProcess:
         command: list[str],
         pass_fds: tuple[int, ...] = (),
         previous: ActorProcess | None = None,
+        omp_spin_count: int | None = None,
     ) -> ActorProcess:
-        """Start `python -m COMMAND...`, its output on our stderr."""
+        """Start `python -m COMMAND...`, its output on our stderr. `omp_spin_count`: the
+        Worker's (EngineConfig.omp_spin_count), handed to libgomp, which reads it only from
+        its environment and only when it starts."""
         env = dict(os.environ)
         if name != "worker":  # only the Worker computes with torch; the others keep one thread
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        elif omp_spin_count is not None:
+            env["GOMP_SPINCOUNT"] = str(omp_spin_count)
         process = subprocess.Popen(
             [sys.executable, "-m", *command],
             env=env,

@@ -167,6 +167,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     torch_threads: Annotated[
         int | None, Meta(description="the Worker's torch threads; unset: every core")
     ] = None
+    # An OpenMP thread that spins long for its next region keeps a core that another process on
+    # the machine (a load generator, the gateway) needs, and the step then waits for that
+    # process's time slice: a short spin keeps back-to-back regions fast and yields the core.
+    omp_spin_count: Annotated[
+        int,
+        Meta(
+            description="spin iterations of the Worker's OpenMP threads before they sleep "
+            "(libgomp's GOMP_SPINCOUNT); short keeps a shared machine from stalling"
+        ),
+    ] = 1000
     # The CPU fast path (kernels/cpu/: C kernels over the paged cache, packed weights, the fused
     # decode stack and greedy heads); off: plain torch, the same tokens.
     cpu_fast_path: Annotated[
@@ -247,6 +257,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, ">= 1"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, ">= 2"),
             ("heartbeat_interval_s", self.heartbeat_interval_s > 0, "> 0"),
+            ("omp_spin_count", self.omp_spin_count >= 0, ">= 0"),
             ("max_client_message_bytes", self.max_client_message_bytes >= 1024, ">= 1024"),
             ("max_request_output_tokens", self.max_request_output_tokens >= 1, ">= 1"),
             ("max_logprob_entries", self.max_logprob_entries >= 1, ">= 1"),

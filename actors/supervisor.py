@@ -124,7 +124,9 @@ class Supervisor:
         else:
             config = msgspec.structs.replace(self.config, epoch=-1) if restart else self.config
             command, pass_fds = [MODULES[name], config.to_json().decode()], ()
-        self.actors[name] = ActorProcess.spawn(name, command, pass_fds, self.actors.get(name))
+        self.actors[name] = ActorProcess.spawn(
+            name, command, pass_fds, self.actors.get(name), self.config.omp_spin_count
+        )
 
     async def _wait_ready(self, name: str) -> Ready:
         actor = self.actors[name]

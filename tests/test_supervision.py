@@ -85,6 +85,19 @@ def engine(llama_dir):
     assert server.stop() == 0
 
 
+def process_environment(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().split("=", 1) for e in entries if b"=" in e)
+
+
+def test_the_worker_spins_omp_spin_count_and_the_other_actors_keep_one_thread(engine):
+    worker = process_environment(actor_pid(engine, "worker"))
+    assert worker["GOMP_SPINCOUNT"] == str(EngineConfig(model="m").omp_spin_count)
+    assert "OMP_NUM_THREADS" not in worker or worker["OMP_NUM_THREADS"] != "1"
+    for name in ("scheduler", "block_manager", "engine"):
+        assert process_environment(actor_pid(engine, name))["OMP_NUM_THREADS"] == "1", name
+
+
 @pytest.mark.parametrize("victim", ["worker", "scheduler", "block_manager", "engine"])
 def test_sigkill_mid_stream_loses_nothing_and_output_equals_fault_free(llama_dir, engine, victim):
     prompts = prompts_of_lengths(llama_dir)
