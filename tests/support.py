@@ -46,17 +46,22 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> li
 
 @functools.cache
 def _hf_greedy(model_dir: Path, prompt_ids: tuple[int, ...], max_new_tokens: int):
-    model = hf_model(model_dir)
-    ids = torch.tensor([prompt_ids])
+    out = hf_generate(hf_model(model_dir), prompt_ids, max_new_tokens)
+    return tuple(out[0, len(prompt_ids) :].tolist())
+
+
+def hf_generate(model, prompt_ids, max_new_tokens: int, **options):
+    """`model.generate` greedy on one unpadded prompt; `options` go to generate as they are."""
+    ids = torch.tensor([list(prompt_ids)])
     with torch.inference_mode():
-        out = model.generate(
+        return model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             do_sample=False,
             max_new_tokens=max_new_tokens,
             pad_token_id=0,
+            **options,
         )
-    return tuple(out[0, len(prompt_ids) :].tolist())
 
 
 def prompts_of_lengths(model_dir: Path, lengths=PROMPT_LENGTHS) -> list[list[int]]:

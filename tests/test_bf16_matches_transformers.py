@@ -23,6 +23,7 @@ from support import (
     PROMPT_LENGTHS,
     EngineServer,
     generate_concurrently,
+    hf_generate,
     hf_greedy,
     prompts_of_lengths,
 )
@@ -47,18 +48,9 @@ def hf_bf16(model_dir: Path):
 def hf_greedy_top(model_dir: Path, prompt: list[int]) -> tuple[list[int], list[set[int]]]:
     """Transformers' greedy continuation in bf16 and the top-5 token ids at each position
     (log_softmax of its logits, as the engine reports them)."""
-    model = hf_bf16(model_dir)
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=MAX_TOKENS,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
+    out = hf_generate(
+        hf_bf16(model_dir), prompt, MAX_TOKENS, output_logits=True, return_dict_in_generate=True
+    )
     tokens = out.sequences[0, len(prompt) :].tolist()
     tops = [
         set(torch.log_softmax(step[0].float(), -1).topk(TOP).indices.tolist())
