@@ -1,6 +1,6 @@
 """What the benchmark scripts share, one place for each: checkpoints, the seeded workload, the
 machine (its line in every table, its GEMM peak and memory read speed, the processes' CPU time),
-percentiles, the printed table and its --json file. The fp32 floor is in fp32_floor.py.
+percentiles, the printed table and its --json file. The floor is in floor.py.
 
 Every script imports this module as `bench_common` (scripts/ is put on sys.path by the script
 itself), so `python scripts/bench_X.py` and `actorserve bench X` behave the same.
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CHECKPOINT_KINDS = ("demo", "llama-125m")
+CHECKPOINT_KINDS = ("demo", "llama-125m", "llama-350m")
 
 
 # -- checkpoints ------------------------------------------------------------------------------
 
 
 def resolve_model(name: str) -> Path:
-    """A checkpoint kind built by actorserve.checkpoints ("demo", "llama-125m") or a directory."""
+    """A checkpoint kind built by actorserve.checkpoints (CHECKPOINT_KINDS) or a directory."""
     path = Path(name)
     if path.is_dir():
         return path
@@ -50,6 +50,7 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    dtype: str = "float32"  # the checkpoint's, as config.json says (float32 when it does not)
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape:
@@ -65,6 +66,7 @@ class ModelShape:
             kv_heads=c.num_kv_heads,
             head_dim=c.head_dim,
             vocab=c.vocab_size,
+            dtype=c.dtype or "float32",
         )
 
     @property
@@ -81,9 +83,9 @@ class ModelShape:
         return self.hidden * self.vocab
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """fp32 K and V of one token in every layer."""
-        return self.layers * 2 * self.kv_heads * self.head_dim * 4
+    def kv_values_per_token(self) -> int:
+        """K and V values of one token in every layer (times the K/V dtype's size: bytes)."""
+        return self.layers * 2 * self.kv_heads * self.head_dim
 
     def gemm_shapes(self, tokens: int = 2048, samples: int = 64) -> list[tuple[int, int, int]]:
         """(M, K, N) of the model's own matmuls: a full prefill step and a decode step's head."""
@@ -206,21 +208,27 @@ def default_threads() -> int:
 
 
 def measure_gemm_flops(
-    shapes: list[tuple[int, int, int]], threads: int, repeats: int = 7, min_time_s: float = 0.05
+    shapes: list[tuple[int, int, int]],
+    threads: int,
+    dtype: str = "float32",
+    repeats: int = 7,
+    min_time_s: float = 0.05,
 ) -> dict[str, float]:
-    """fp32 torch.mm FLOP/s, best of `repeats`, for each (M, K, N); 'peak' is the best of all.
+    """torch.mm FLOP/s in `dtype` (float32, bfloat16), best of `repeats`, for each (M, K, N);
+    'peak' is the best of all.
 
     The roofline the throughput is compared to: what this process reaches on the model's own
     matmul shapes with the Worker's thread count, measured in the same run."""
     import torch
 
+    torch_dtype = getattr(torch, dtype)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     result: dict[str, float] = {}
     try:
         for m, k, n in shapes:
-            a, b = torch.randn(m, k), torch.randn(k, n)
-            out = torch.empty(m, n)
+            a, b = torch.randn(m, k, dtype=torch_dtype), torch.randn(k, n, dtype=torch_dtype)
+            out = torch.empty(m, n, dtype=torch_dtype)
             torch.mm(a, b, out=out)
             start = time.perf_counter()
             inner = 0

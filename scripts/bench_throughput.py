@@ -1,10 +1,14 @@
 """Offline throughput: actorserve against Hugging Face transformers, same checkpoint, same workload,
 one run, one machine.
 
-    python scripts/bench_throughput.py [--model demo llama-125m] [--num-requests N] [--json PATH]
+    python scripts/bench_throughput.py [--model demo llama-125m llama-350m] [--dtypes auto,float32]
+                                       [--num-requests N] [--json PATH]
 
-Default: both checkpoints, 64 requests on the demo one and 8 on llama-125m (27 times the decoder
-layers' matmul work per token), all three backends.
+Default: the three checkpoints, 64 requests on demo (fp32), 8 on llama-125m (fp32, 27 times
+demo's decoder matmul work per token) and 16 on llama-350m (bf16 on disk, as released checkpoints
+ship), all three backends at each of `--dtypes`: `auto` is the checkpoint's own dtype (what
+`--dtype auto` serves on a CPU with native bf16, and what a transformers user gets), `float32` the
+fp32 rows (one row where the two are the same).
 
 The workload is nano-vllm's bench (bench_common.make_workload): random token-id prompts of 16-512
 tokens and outputs of 16-256 tokens, ignore_eos, greedy. It runs
@@ -17,12 +21,12 @@ tokens and outputs of 16-256 tokens, ignore_eos, greedy. It runs
                adds the requests to the same manager itself with `add_request`)
 
 each in a fresh Python process (the workload is rebuilt there from the seed), and prints wall
-time, output and total tokens/s, actorserve's speed-up over each, and the fraction
-of the fp32 GEMM roofline: the workload's matmul work (fp32_floor.matmul_flops) / wall time /
-the best torch.mm FLOP/s measured on the model's own shapes in this run, same thread count;
-and how close each comes to the fp32 floor (fp32_floor.Floor): the least time any engine with
-fp32 weights and K/V could take on the workload at that GEMM peak and at the memory read speed
-measured in the run, which bounds the roofline fraction an fp32 engine can reach here.
+time, output and total tokens/s, actorserve's speed-up over each (at the same dtype), and the
+fraction of the GEMM roofline: the workload's matmul work (floor.matmul_flops) / wall time / the
+best torch.mm FLOP/s at the row's dtype measured on the model's own shapes in this run, same
+thread count; and how close each comes to the floor at its dtype (floor.Floor): the least time
+any engine with weights and K/V of that dtype could take on the workload at that GEMM peak and
+at the memory read speed measured in the run.
 """
 
 from __future__ import annotations
@@ -40,19 +44,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc  # noqa: E402
-from fp32_floor import fp32_floor, matmul_flops  # noqa: E402
+from floor import engine_floor, matmul_flops  # noqa: E402
 
 BACKENDS = ("actorserve", "hf-static", "hf-cb")
 # The 125M checkpoint does many times the matmul work per token: fewer requests keep the default
 # run (both checkpoints, all three backends) short enough for a small machine.
-DEFAULT_REQUESTS = {"demo": 64, "llama-125m": 8}
+DEFAULT_REQUESTS = {"demo": 64, "llama-125m": 8, "llama-350m": 16}
+VALUE_BYTES = {"float32": 4, "bfloat16": 2}
 READ_PROBE_BYTES = 64 << 20  # the order of a 64-decode step's K/V on the demo checkpoint
 
 
 def run_actorserve(model_dir: Path, workload: list[bc.Request], args) -> dict:
     from actorserve import LLM, SamplingParams
 
-    settings = dict(torch_threads=args.threads)
+    settings = dict(torch_threads=args.threads, dtype=args.dtype)
     if args.max_num_seqs:
         settings["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens:
@@ -76,19 +81,19 @@ def run_actorserve(model_dir: Path, workload: list[bc.Request], args) -> dict:
     return {"wall_s": wall, "output_tokens": sum(got), "tokens": [o.token_ids for o in outputs]}
 
 
-def _hf_model(model_dir: Path, threads: int):
+def _hf_model(model_dir: Path, threads: int, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     return model.eval()
 
 
 def run_hf_static(model_dir: Path, workload: list[bc.Request], args) -> dict:
     import torch
 
-    model = _hf_model(model_dir, args.threads)
+    model = _hf_model(model_dir, args.threads, args.dtype)
     pad = 0
     bs = args.hf_batch_size
     sample = dict(do_sample=args.temperature > 0, pad_token_id=pad)
@@ -143,7 +148,7 @@ def run_hf_cb(model_dir: Path, workload: list[bc.Request], args) -> dict:
     # never starts an OpenMP team of its own (two teams whose threads outnumber the cores make
     # libgomp stop spin-waiting, which slows every op of the generation thread); the generation
     # thread then picks up `threads`.
-    model = _hf_model(model_dir, 1)
+    model = _hf_model(model_dir, 1, args.dtype)
     torch.set_num_threads(args.threads)
     max_out = max(r.output_len for r in workload)
     gen = GenerationConfig(
@@ -190,7 +195,7 @@ RUNNERS = {"actorserve": run_actorserve, "hf-static": run_hf_static, "hf-cb": ru
 CHILD_FLAG = "--child-result"  # internal: run one backend in this process, write its result
 
 
-def run_isolated(backend: str, name: str, num_requests: int, args) -> dict:
+def run_isolated(backend: str, name: str, dtype: str, num_requests: int, args) -> dict:
     """Run one backend in a fresh Python process (its own threads, allocator and OpenMP teams,
     nothing left over from the runs before it); the same workload is rebuilt there from the
     seed."""
@@ -199,6 +204,7 @@ def run_isolated(backend: str, name: str, num_requests: int, args) -> dict:
         # The parent's own flags, then the child's: argparse keeps the last of a repeated flag.
         command = [sys.executable, str(Path(__file__).resolve()), *args.argv]
         command += ["--model", name, "--backends", backend, "--num-requests", str(num_requests)]
+        command += ["--dtypes", dtype]
         subprocess.run([*command, CHILD_FLAG, str(out)], check=True)
         return json.loads(out.read_text())
 
@@ -206,6 +212,7 @@ def run_isolated(backend: str, name: str, num_requests: int, args) -> dict:
 COLUMNS = [
     bc.Column("model", "model"),
     bc.Column("backend", "backend"),
+    bc.Column("dtype", "dtype"),
     bc.Column("requests", "requests", "{:d}"),
     bc.Column("wall_s", "wall s", "{:.2f}"),
     bc.Column("output_tok_s", "output tok/s", "{:.0f}"),
@@ -218,37 +225,56 @@ COLUMNS = [
 ]
 
 
+def dtypes_for(shape: bc.ModelShape, asked: list[str]) -> list[str]:
+    """`--dtypes` resolved for one checkpoint (auto: its own dtype), each once, in order."""
+    resolved = [shape.dtype if d == "auto" else d for d in asked]
+    return list(dict.fromkeys(resolved))
+
+
 def bench_model(name: str, args) -> list[dict]:
     model_dir = bc.resolve_model(name)
     shape = bc.ModelShape.read(model_dir)
     n = args.num_requests or DEFAULT_REQUESTS.get(bc.model_label(name), 64)
     workload = bc.workload_from_flags(args, n, shape.vocab)
-    gemm = bc.measure_gemm_flops(shape.gemm_shapes(), args.threads)
+    work = matmul_flops(shape, workload)
+    prompt_tokens = sum(len(r.prompt_ids) for r in workload)
     read_gb_s = bc.streaming_read_gb_s(READ_PROBE_BYTES, args.threads)
-    floor = fp32_floor(shape, workload, gemm["peak"], read_gb_s * 1e9)
+    print(
+        f"{bc.model_label(name)} ({shape.dtype} on disk): {n} requests, {prompt_tokens} prompt + "
+        f"{sum(r.output_len for r in workload)} output tokens, {work / 1e9:.0f} GFLOP of matmul; "
+        f"memory reads {read_gb_s:.1f} GB/s",
+        flush=True,
+    )
+    rows = []
+    for dtype in dtypes_for(shape, args.dtypes):
+        rows.extend(bench_dtype(name, dtype, shape, workload, read_gb_s, args))
+    return rows
+
+
+def bench_dtype(
+    name: str, dtype: str, shape: bc.ModelShape, workload: list[bc.Request], read_gb_s, args
+) -> list[dict]:
+    """Every backend on one checkpoint at one dtype, against that dtype's floor."""
+    n = len(workload)
+    gemm = bc.measure_gemm_flops(shape.gemm_shapes(), args.threads, dtype)
+    size = VALUE_BYTES[dtype]
+    floor = engine_floor(shape, workload, gemm["peak"], read_gb_s * 1e9, size, size)
     work = matmul_flops(shape, workload)
     prompt_tokens = sum(len(r.prompt_ids) for r in workload)
     print(
-        f"{bc.model_label(name)}: {n} requests, {prompt_tokens} prompt + "
-        f"{sum(r.output_len for r in workload)} output tokens, {work / 1e9:.0f} GFLOP of matmul; "
-        f"fp32 GEMM peak {gemm['peak'] / 1e9:.0f} GFLOP/s "
-        f"({', '.join(f'{k} {v / 1e9:.0f}' for k, v in gemm.items() if k != 'peak')})",
-        flush=True,
-    )
-    print(
-        f"  fp32 floor at that peak and {read_gb_s:.1f} GB/s of memory reads: "
-        f"{floor.serial_s:.2f} s = {work / floor.serial_s / gemm['peak']:.1%} of the roofline "
-        f"(prefill {floor.prefill_s:.2f}, decode GEMMs {floor.gemm_s:.2f}, K/V reads "
-        f"{floor.kv_s:.2f}); {floor.overlapped_s:.2f} s = "
-        f"{work / floor.overlapped_s / gemm['peak']:.1%} with the K/V reads hidden under the GEMMs",
+        f"  {dtype}: GEMM peak {gemm['peak'] / 1e9:.0f} GFLOP/s "
+        f"({', '.join(f'{k} {v / 1e9:.0f}' for k, v in gemm.items() if k != 'peak')}); "
+        f"floor {floor.serial_s:.2f} s = {work / floor.serial_s / gemm['peak']:.1%} of the "
+        f"roofline (prefill {floor.prefill_s:.2f}, decode GEMMs {floor.gemm_s:.2f}, K/V reads "
+        f"{floor.kv_s:.2f}); {floor.overlapped_s:.2f} s with the K/V reads hidden under the GEMMs",
         flush=True,
     )
     rows = []
     results = {}
     for backend in args.backends:
-        print(f"  running {backend} ...", flush=True)
+        print(f"  running {backend} ({dtype}) ...", flush=True)
         runs = sorted(
-            (run_isolated(backend, name, n, args) for _ in range(args.repeat)),
+            (run_isolated(backend, name, dtype, n, args) for _ in range(args.repeat)),
             key=lambda r: r["wall_s"],
         )
         result = runs[(len(runs) - 1) // 2]  # the median run (the lower one of an even count)
@@ -258,6 +284,7 @@ def bench_model(name: str, args) -> list[dict]:
             {
                 "model": bc.model_label(name),
                 "backend": backend,
+                "dtype": dtype,
                 "requests": n,
                 "prompt_tokens": prompt_tokens,
                 "output_tokens": result["output_tokens"],
@@ -297,13 +324,18 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=list(bc.CHECKPOINT_KINDS),
         help=f"checkpoint kinds ({', '.join(bc.CHECKPOINT_KINDS)}) or directories "
-        "(default: both kinds)",
+        "(default: all three)",
     )
     parser.add_argument(
         "--num-requests",
         type=int,
         default=None,
-        help=f"default {DEFAULT_REQUESTS['demo']} (llama-125m: {DEFAULT_REQUESTS['llama-125m']})",
+        help="default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_REQUESTS.items()),
+    )
+    parser.add_argument(
+        "--dtypes",
+        default="auto,float32",
+        help="comma-separated: auto (the checkpoint's own), float32, bfloat16",
     )
     bc.add_workload_flags(parser)
     parser.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
@@ -334,11 +366,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.threads = args.threads or bc.default_threads()
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if set(args.dtypes) - {"auto", *VALUE_BYTES}:
+        parser.error(f"--dtypes: known are auto, {', '.join(VALUE_BYTES)}")
     if args.child_result:  # one backend, one model, in this (fresh) process
         model_dir = bc.resolve_model(args.model[0])
         shape = bc.ModelShape.read(model_dir)
         # the parent and each child build the same workload from the flags
         workload = bc.workload_from_flags(args, args.num_requests, shape.vocab)
+        args.dtype = dtypes_for(shape, args.dtypes)[0]
         result = RUNNERS[args.backends.split(",")[0]](model_dir, workload, args)
         Path(args.child_result).write_text(json.dumps(result))
         return 0
@@ -361,12 +397,14 @@ def main(argv: list[str] | None = None) -> int:
         "to its batch's longest output for every row, the rest is padding and not counted.",
         "matmul GFLOP = 2 x decoder-layer params x (prompt tokens + output tokens - 1 per "
         "request) + 2 x lm_head params x output tokens (attention and embedding left out); "
-        "roofline = the best fp32 torch.mm FLOP/s on the model's shapes, measured in the run.",
-        "floor / wall = the fp32 floor's time (fp32_floor.Floor: matmul work at that peak, "
-        "weights and K/V at the memory read speed measured in the run, K/V after the GEMMs) "
-        "/ the row's wall time: the share of the best any fp32 engine can do here.",
-        "actorserve x = actorserve's output tok/s / the row's; same tokens = requests whose "
-        "greedy tokens equal the reference's (hf-static's, else hf-cb's).",
+        "roofline = the best torch.mm FLOP/s at the row's dtype on the model's shapes, measured "
+        "in the run.",
+        "floor / wall = the floor's time at the row's dtype (floor.Floor: matmul work at that "
+        "peak, weights and K/V at the memory read speed measured in the run, K/V after the "
+        "GEMMs) / the row's wall time: the share of the best any engine at that dtype can do.",
+        "actorserve x = actorserve's output tok/s / the row's at the same dtype; same tokens = "
+        "requests whose greedy tokens equal the reference's (hf-static's, else hf-cb's) at the "
+        "same dtype (bf16 tokens may part where two logits are within rounding).",
     ]
     print()
     print(bc.format_table(rows, COLUMNS, notes=notes))

@@ -14,7 +14,7 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import bench_common as bc  # noqa: E402
-from fp32_floor import fp32_floor, matmul_flops  # noqa: E402
+from floor import engine_floor, matmul_flops  # noqa: E402
 
 SHAPE = bc.ModelShape(
     hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=50
@@ -95,7 +95,7 @@ def test_bench_overhead_splits_the_step_and_the_wait_between_steps_hop_by_hop(ll
 
 def test_the_fp32_floor_with_free_memory_reads_is_the_matmul_work_at_the_peak():
     workload = bc.make_workload(5, seed=1, prompt_len=(3, 9), output_len=(1, 6), vocab_size=50)
-    floor = fp32_floor(SHAPE, workload, peak_flop_s=1e6, read_bytes_s=math.inf)
+    floor = engine_floor(SHAPE, workload, peak_flop_s=1e6, read_bytes_s=math.inf)
     assert floor.kv_s == 0
     assert floor.serial_s == pytest.approx(matmul_flops(SHAPE, workload) / 1e6)
     assert floor.overlapped_s == pytest.approx(floor.serial_s)
@@ -105,13 +105,29 @@ def test_the_fp32_floor_of_one_request_reads_the_weights_and_its_kv_at_every_dec
     request = bc.Request(prompt_ids=[7] * 10, output_len=3)  # 2 decode steps: contexts 11, 12
     weights = 4 * (SHAPE.layer_matmul_params + SHAPE.lm_head_params)
     kv_per_token = 2 * 2 * 1 * 4 * 4  # layers x (K, V) x kv heads x head_dim x fp32
-    assert SHAPE.kv_bytes_per_token == kv_per_token
-    floor = fp32_floor(SHAPE, [request], peak_flop_s=math.inf, read_bytes_s=1e3)
+    assert SHAPE.kv_values_per_token * 4 == kv_per_token
+    floor = engine_floor(SHAPE, [request], peak_flop_s=math.inf, read_bytes_s=1e3)
     assert floor.prefill_s == 0
     assert floor.gemm_s == pytest.approx(2 * weights / 1e3)
     assert floor.kv_s == pytest.approx(kv_per_token * (11 + 12) / 1e3)
     assert floor.serial_s == pytest.approx(floor.gemm_s + floor.kv_s)
     assert floor.overlapped_s == pytest.approx(floor.gemm_s + floor.kv_s)  # both bytes: no FLOPs
+
+
+def test_a_bf16_floor_reads_half_the_bytes_of_the_fp32_one():
+    request = bc.Request(prompt_ids=[7] * 10, output_len=3)
+    fp32 = engine_floor(SHAPE, [request], peak_flop_s=math.inf, read_bytes_s=1e3)
+    bf16 = engine_floor(SHAPE, [request], math.inf, 1e3, weight_value_bytes=2, kv_value_bytes=2)
+    assert bf16.gemm_s == pytest.approx(fp32.gemm_s / 2)
+    assert bf16.kv_s == pytest.approx(fp32.kv_s / 2)
+
+
+def test_bench_throughput_runs_auto_as_the_checkpoints_own_dtype_and_each_dtype_once():
+    import bench_throughput
+
+    bf16 = bc.ModelShape(8, 16, 2, 2, 1, 4, 50, dtype="bfloat16")
+    assert bench_throughput.dtypes_for(bf16, ["auto", "float32"]) == ["bfloat16", "float32"]
+    assert bench_throughput.dtypes_for(SHAPE, ["auto", "float32"]) == ["float32"]
 
 
 @pytest.mark.slow

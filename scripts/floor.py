@@ -1,6 +1,7 @@
-"""The fp32 floor: the workload's useful matmul work, and the least time any engine with fp32
-weights and K/V can take on it given the machine's GEMM peak and memory read bandwidth (both
-measured by bench_common). bench_throughput compares each backend's wall time to it.
+"""The floor: the workload's useful matmul work, and the least time any engine with weights and
+K/V of a given dtype (4 bytes a value for fp32, 2 for bf16) can take on it given the machine's
+GEMM peak at that dtype and its memory read bandwidth (both measured by bench_common).
+bench_throughput compares each backend's wall time to it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def matmul_flops(shape: ModelShape, workload: list[Request]) -> float:
 
 @dataclass(frozen=True)
 class Floor:
-    """The least time an engine with fp32 weights and K/V can take on a workload, given the
+    """The least time an engine with weights and K/V of one dtype can take on a workload, given the
     machine's GEMM peak and memory read bandwidth (a lower bound on any engine, not a model of
     actorserve's). Parts, each in seconds:
 
@@ -50,11 +51,18 @@ class Floor:
         return self.prefill_s + self.gemm_s + self.kv_s
 
 
-def fp32_floor(
-    shape: ModelShape, workload: list[Request], peak_flop_s: float, read_bytes_s: float
+def engine_floor(
+    shape: ModelShape,
+    workload: list[Request],
+    peak_flop_s: float,
+    read_bytes_s: float,
+    weight_value_bytes: int = 4,
+    kv_value_bytes: int = 4,
 ) -> Floor:
-    """The workload's Floor (see there) on this machine's measured peak and read bandwidth."""
-    weight_bytes = 4.0 * (shape.layer_matmul_params + shape.lm_head_params)
+    """The workload's Floor (see there) on this machine's measured peak (at the weights' dtype)
+    and read bandwidth, with weights of `weight_value_bytes` a value and K/V of
+    `kv_value_bytes` (4: fp32, 2: bf16)."""
+    weight_bytes = float(weight_value_bytes) * (shape.layer_matmul_params + shape.lm_head_params)
     decode_row_flops = 2.0 * (shape.layer_matmul_params + shape.lm_head_params)
     prefill_s = (
         sum(
@@ -67,7 +75,7 @@ def fp32_floor(
     for k in range(1, max((r.output_len for r in workload), default=0)):
         contexts = [len(r.prompt_ids) + k for r in workload if r.output_len > k]
         compute_s = decode_row_flops * len(contexts) / peak_flop_s
-        kv_bytes = shape.kv_bytes_per_token * sum(contexts)
+        kv_bytes = shape.kv_values_per_token * kv_value_bytes * sum(contexts)
         gemm_s += max(compute_s, weight_bytes / read_bytes_s)
         kv_s += kv_bytes / read_bytes_s
         overlapped_s += max(compute_s, (weight_bytes + kv_bytes) / read_bytes_s)
