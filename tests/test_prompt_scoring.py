@@ -153,7 +153,7 @@ def test_the_openai_sdk_reads_an_echoed_prompt_score(llama_dir, gateway):
         ("completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
         ("completions", {"prompt": "x", "max_tokens": 0, "min_tokens": 2}, "min_tokens"),
         ("completions", {"prompt": "x", "echo": True, "logprobs": 21}, "logprobs"),
-        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": 1}, "echo"),
     ],
 )
 def test_a_scoring_request_out_of_range_is_a_400_naming_the_field(gateway, route, body, field):
