@@ -113,7 +113,9 @@ class PromptScoring:
         finally:
             await rest.aclose()
 
-    def echoed(self, prompt_entries: list[TokenLogprobs | None] | None, names: TokenNames):
+    def echoed(
+        self, prompt_entries: list[TokenLogprobs | None] | None, names: TokenNames
+    ) -> Echoed:
         """The prompt's text and (when asked) its logprobs in OpenAI's legacy shape, and the
         text offset where the generated tokens' entries start."""
         if not self.echoes_logprobs:
