@@ -39,11 +39,14 @@ class LiveRequest:
     def stream(self, output: RequestOutput) -> Delta:
         """Journal `output`'s tokens and turn them into the client's Delta. Its finish_reason is
         STOP where a stop string matched, even before the Scheduler finished the request (then
-        the caller aborts it there); a stop string wins over the length limit of one token."""
+        the caller aborts it there); a stop string wins over the length limit of one token.
+        At the finish, bytes of an unfinished character come out as U+FFFD (as decode does)."""
         first = not self.output_token_ids
         self.output_token_ids.extend(output.token_ids)
         text = self.detokenizer.add(output.token_ids) if output.token_ids else ""
         reason = output.finish_reason
+        if reason is not None:  # the sample's text is decode(output ids): nothing held back
+            text += self.detokenizer.finish()
         if self.stop_strings is not None:
             text, matched = self.stop_strings.feed(text, final=reason is not None)
             if matched:

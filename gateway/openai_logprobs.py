@@ -17,9 +17,11 @@ from ..messages.common import TokenLogprobs
 
 
 class CompletionLogprobs(msgspec.Struct):
+    """An echoed prompt's first token has null token_logprobs and top_logprobs entries."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

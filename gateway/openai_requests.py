@@ -118,8 +118,6 @@ class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo:
-            raise invalid("echo is not supported yet", "echo")
         if self.best_of is not None and self.best_of != 1:
             raise invalid(f"best_of must be 1 (not supported yet), got {self.best_of}", "best_of")
         if self.suffix:

@@ -66,8 +66,10 @@ class Delta(msgspec.Struct, tag=True, omit_defaults=True):
     """New text and token ids of one sample of a request; its last delta carries `finish_reason`.
 
     `text` holds only complete UTF-8 characters: bytes of a character split across tokens are held
-    back until the character is whole. With `n` > 1 every delta names its sample by `index`
-    (0 .. n-1) and the request ends when all n samples have finished; counts are per sample.
+    back until the character is whole, or until the sample finishes: then they come as U+FFFD,
+    so a sample's text is `tokenizer.decode(token_ids, skip_special_tokens=True)`. With `n` > 1
+    every delta names its sample by `index` (0 .. n-1) and the request ends when all n samples
+    have finished; counts are per sample.
     `logprobs[i]` belongs to `token_ids[i]` when the request asked for logprobs.
     `prompt_logprobs` (first delta of sample 0): one entry per prompt token, None for the first.
     """

@@ -48,3 +48,26 @@ def test_special_tokens_are_not_shown(llama_dir, make):
 
 def test_a_fast_tokenizer_gets_the_stream_detokenizer(llama_dir):
     assert isinstance(incremental_detokenizer(tokenizer(llama_dir), [1]), StreamDetokenizer)
+
+
+@pytest.mark.parametrize("make", BOTH)
+@pytest.mark.parametrize("text", ["東京", "🚀", "ok 🚀 ok", "naïve 東"])
+def test_finish_flushes_an_unfinished_character_as_decode_does(llama_dir, make, text):
+    """Every cut of a text's tokens, even mid-character: the pieces and then `finish` make
+    exactly `decode(ids)`, U+FFFD for the bytes of a character the tokens did not finish."""
+    tok = tokenizer(llama_dir)
+    ids = tok.encode(text, add_special_tokens=False)
+    for cut in range(1, len(ids) + 1):
+        detok = make(tok, tok.encode("Once upon a time"))
+        pieces = [detok.add([t]) for t in ids[:cut]]
+        assert "".join(pieces) + detok.finish() == tok.decode(ids[:cut], skip_special_tokens=True)
+        assert detok.finish() == ""  # nothing is flushed twice
+
+
+@pytest.mark.parametrize("make", BOTH)
+def test_a_detokenizer_goes_on_after_a_flush_that_had_nothing_held(llama_dir, make):
+    tok = tokenizer(llama_dir)
+    detok = make(tok, tok.encode("x"))
+    ids = tok.encode("abc def", add_special_tokens=False)
+    text = detok.add(ids) + detok.finish()
+    assert text == tok.decode(ids)
