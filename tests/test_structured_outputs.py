@@ -8,6 +8,7 @@ a 400 naming the field it came in; the official SDK's `parse` helper gets a pyda
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -20,6 +21,10 @@ import openai
 import pydantic
 import pytest
 from gateway_support import API_KEY, GatewayServer, call, open_stream, read_events
+from websockets.asyncio.client import connect
+
+from actorserve.messages.common import SamplingParams
+from actorserve.messages.structured import StructuredKind, StructuredOutput
 
 NAME = {"type": "string", "pattern": "^[a-z]{1,8}$"}
 SCHEMA = {
@@ -254,3 +259,23 @@ def test_outputs_validate_across_a_worker_sigkill_mid_stream(server):
     while worker_pid(server) == old and time.monotonic() < deadline:
         time.sleep(0.1)
     assert worker_pid(server) != old  # the kill did land mid-stream
+
+
+async def test_the_websocket_and_the_sdk_take_the_same_structured_field(server):
+    regex = StructuredOutput(StructuredKind.REGEX, "[a-c]{3}-[0-9]{2}")
+    params = {"max_tokens": 20, "temperature": 1.0, "seed": 3, "structured": {
+        "kind": "regex", "text": regex.text}}  # fmt: skip
+    url = server.url.replace("http://", "ws://") + "/v1/stream"
+    async with connect(url, additional_headers={"Authorization": f"Bearer {API_KEY}"}) as ws:
+        await ws.send(json.dumps({"type": "generate", "id": "r", "prompt": "x", "params": params}))
+        text = ""
+        while (message := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] == "delta":
+            text += message["text"]
+    assert message["type"] == "done" and message["finish_reason"] == "stop", message
+    assert re.fullmatch(regex.text, text), text
+    sdk = await asyncio.to_thread(
+        server.client.complete,
+        "x",
+        SamplingParams(max_tokens=20, temperature=1.0, seed=3, structured=regex),
+    )
+    assert sdk.text == text  # the same request through the ZeroMQ SDK: the same seeded draw
