@@ -65,6 +65,11 @@ class GrammarGate:
                 self.parked[spec] = []
         return dropped
 
+    @property
+    def num_parked(self) -> int:
+        """Requests waiting for their grammar (counted among the waiting in the stats)."""
+        return sum(len(waiting) for waiting in self.parked.values())
+
     def reset(self) -> None:
         self.ready.clear()
         self.parked.clear()

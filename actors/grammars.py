@@ -13,7 +13,9 @@ information, costs tokens, and a weak model can spend its whole budget on it.
 
 from __future__ import annotations
 
+import importlib
 import json
+import threading
 from collections import OrderedDict
 
 from ..messages.structured import StructuredKind, StructuredOutput
@@ -69,11 +71,19 @@ def first_line(exc: Exception) -> str:
 
 
 class CheckedSpecs:
-    """The Engine's memory of specs that parsed (LRU): a repeated schema is parsed once."""
+    """The Engine's memory of specs that parsed (LRU): a repeated schema is parsed once.
+
+    Made, it starts importing xgrammar on a daemon thread: that import takes seconds (its
+    native library, its pydantic models), and the Engine's event loop, which answers heartbeats,
+    must not stop for them on its first structured request. (A request that comes before the
+    import is done waits for it, once, in the first seconds of the Engine's life.)"""
 
     def __init__(self, capacity: int = CHECKED_SPECS):
         self.capacity = capacity
         self.valid: OrderedDict[StructuredOutput, None] = OrderedDict()
+        threading.Thread(
+            target=importlib.import_module, args=("xgrammar",), name="import", daemon=True
+        ).start()
 
     def check(self, spec: StructuredOutput) -> None:
         """Raise ValueError when `spec` cannot be compiled."""

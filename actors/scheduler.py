@@ -108,7 +108,8 @@ class Scheduler(Actor):
 
     def on_stats_query(self, message: StatsQuery) -> None:
         planner = self.planner
-        running, waiting = len(planner.running), len(planner.waiting)
+        running = len(planner.running)
+        waiting = len(planner.waiting) + self.grammars.num_parked
         message.stats = replace(planner.counters, num_running=running, num_waiting=waiting)
         self.send("block_manager", message)
 

@@ -90,6 +90,7 @@ def test_the_gate_asks_once_per_spec_and_admits_when_the_worker_answers():
     assert not gate.admits(first)
     assert gate.park(first) == SCHEMA and gate.park(second) is None  # one CompileGrammar
     assert gate.park(other) == REGEX
+    assert gate.num_parked == 3  # counted among the waiting requests
     gate.drop(["b"])  # aborted while it waited
     assert gate.compiled(GrammarReady(0, SCHEMA)) == [first]
     assert gate.admits(add("d", SCHEMA))  # compiled: no more waiting
