@@ -98,3 +98,17 @@ def test_the_gate_asks_once_per_spec_and_admits_when_the_worker_answers():
     assert not gate.admits(add("e", REGEX))  # a failed compile is not remembered as ready
     gate.reset()  # a restarted Worker has compiled nothing
     assert not gate.admits(add("f", SCHEMA))
+
+
+def test_output_tokens_off_the_grammar_end_only_their_own_request(cache):
+    """A hostile resumption's tokens break one matcher: that row can only take EOS next."""
+    rows = rows_of(cache, REGEX, REGEX)
+    probe = torch.zeros(1, 32000)
+    mask_grammar_rows(probe, rows[:1])
+    forbidden = int(torch.isinf(probe[0]).nonzero()[0])  # not a digit: off the grammar
+    rows[0].grammar = GrammarState(cache.get(REGEX), [forbidden])
+    assert rows[0].grammar.broken and not rows[1].grammar.broken
+    logits = torch.randn(2, 32000)
+    mask_grammar_rows(logits, rows)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [2]  # EOS alone
+    assert torch.isfinite(logits[1]).sum() > 1

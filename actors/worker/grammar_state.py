@@ -26,15 +26,20 @@ if TYPE_CHECKING:
 
 
 class GrammarState:
-    __slots__ = ("matcher",)
+    """`broken`: a token did not match the grammar. Only a client can make that happen (an SDK
+    resumption, GenerateRequest.resume, carrying output tokens of its own), and it must cost no
+    other request anything: the request's next token is then forced to one of `stop_token_ids`
+    (EOS), which ends it, instead of failing the step that every request in it shares."""
+
+    __slots__ = ("matcher", "broken")
 
     def __init__(self, compiled, output_token_ids: Sequence[int]):
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.broken = False
         for token in output_token_ids:
-            if not self.matcher.accept_token(token):
-                raise ValueError(f"output token {token} does not match the request's grammar")
+            self.accept(token)
 
     @property
     def live(self) -> bool:
@@ -42,8 +47,9 @@ class GrammarState:
         return not self.matcher.is_terminated()
 
     def accept(self, token: int) -> None:
-        """Advance by a sampled token (the mask allowed it)."""
-        self.matcher.accept_token(token)
+        """Advance by a sampled (or replayed) token."""
+        if not self.broken and not self.matcher.accept_token(token):
+            self.broken = True
 
 
 def mask_grammar_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
@@ -62,6 +68,12 @@ def mask_grammar_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[i
         rows[i].grammar.matcher.fill_next_token_bitmask(bitmask, i)
     bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=picked)
+    for i in picked:
+        if rows[i].grammar.broken:  # end it (see GrammarState)
+            stops = rows[i].stop_token_ids
+            kept = logits[i, stops].clone()
+            logits[i] = float("-inf")
+            logits[i, stops] = torch.where(torch.isfinite(kept), kept, 0.0)
     return picked
 
 
