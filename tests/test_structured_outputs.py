@@ -112,6 +112,26 @@ def test_64_json_schema_requests_all_validate_while_they_preempt_one_another(ser
     assert preemptions(server) > before  # the small KV cache did preempt (recompute)
 
 
+@pytest.mark.slow
+def test_outputs_validate_when_preemption_swaps_them_to_cpu_and_back(llama_dir):
+    swapping = GatewayServer(
+        llama_dir,
+        "--num-kv-blocks", str(KV_BLOCKS),
+        "--preemption-mode", "swap",
+        "--max-model-len", "256",
+        "--max-concurrent-requests", "64",
+    )  # fmt: skip
+    try:
+        with ThreadPoolExecutor(32) as pool:
+            replies = list(pool.map(lambda i: post(swapping, *json_request(i)), range(32)))
+        for reply in replies:
+            for text in texts_of(reply):
+                assert_valid(text)
+        assert swapping.client.health().stats.num_swaps > 0
+    finally:
+        assert swapping.stop() == 0
+
+
 def test_parallel_samples_with_logprobs_each_validate(server):
     reply = post(
         server,
