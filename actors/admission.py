@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..messages.client import GenerateRequest
 from ..messages.common import SamplingParams
 from .config import EngineConfig
+from .grammars import CheckedSpecs
 
 
 class InvalidRequest(Exception):
@@ -26,9 +27,18 @@ def check_request(message: GenerateRequest, config: EngineConfig) -> None:
         )
     if message.prompt_token_ids is not None:
         check_prompt_length(len(message.prompt_token_ids), config)
-    error = message.params.validate(config.facts.vocab_size)
+    error = message.params.validate(config.facts.vocab_size, config.max_structured_chars)
     if error:
         raise InvalidRequest(error)
+
+
+def check_structured(params: SamplingParams, checked: CheckedSpecs) -> None:
+    """A structured output's schema, regex or grammar must parse (the Worker compiles it)."""
+    if params.structured is not None:
+        try:
+            checked.check(params.structured)
+        except ValueError as exc:
+            raise InvalidRequest(f"structured: {exc}") from None
 
 
 def check_prompt_length(num_tokens: int, config: EngineConfig) -> None:

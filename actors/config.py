@@ -97,6 +97,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_logprob_entries: Annotated[
         int, Meta(description="logprobs (+ prompt_logprobs) entries of one request")
     ] = 1 << 20
+    max_structured_chars: Annotated[
+        int, Meta(description="characters of a structured output's schema, regex or grammar")
+    ] = 1 << 16
+    structured_cache_size: Annotated[
+        int, Meta(description="compiled grammars the Worker keeps (LRU), one per schema text")
+    ] = 64
     priority_min: Annotated[
         int, Meta(description="lowest priority a client may ask (lower runs first)")
     ] = 0
@@ -261,6 +267,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("max_client_message_bytes", self.max_client_message_bytes >= 1024, ">= 1024"),
             ("max_request_output_tokens", self.max_request_output_tokens >= 1, ">= 1"),
             ("max_logprob_entries", self.max_logprob_entries >= 1, ">= 1"),
+            ("max_structured_chars", self.max_structured_chars >= 1, ">= 1"),
+            ("structured_cache_size", self.structured_cache_size >= 2, ">= 2"),
             ("priority_max", self.priority_max >= self.priority_min, ">= priority_min"),
             ("poison_crashes", self.poison_crashes >= 1, ">= 1"),
             ("client_lease_s", self.client_lease_s > 0, "> 0"),

@@ -61,9 +61,11 @@ from .admission import (
     check_prompt_text,
     check_request,
     check_resume,
+    check_structured,
 )
 from .client_outbox import ClientOutbox
 from .client_socket import bind_client_router
+from .grammars import CheckedSpecs
 from .health_queries import HealthQueries
 from .live_request import LiveRequest, journal_entries, key
 from .quarantine import Quarantine
@@ -88,6 +90,7 @@ class Engine(Actor):
         self.roster: list[ActorStatus] = []
         self.client_decoder = Decoder(ClientToEngine)
         self.quarantine = Quarantine(config.poison_crashes)
+        self.checked_specs = CheckedSpecs()  # structured outputs' grammars known to parse
         self.epoch = config.epoch  # of the last Recover: TokensOut of another epoch are stale
         self._client_errors = ErrorThrottle()
         self.draining = False
@@ -181,6 +184,7 @@ class Engine(Actor):
                 raise InvalidRequest(f"request_id {rid!r} is already in use by a live request")
             check_request(message, self.config)
             check_resume(message, self.config)
+            check_structured(message.params, self.checked_specs)
             if message.prompt is not None:
                 check_prompt_text(message.prompt, self.max_prompt_chars, self.config.max_model_len)
             if message.prompt is not None and len(message.prompt) > INLINE_TOKENIZE_CHARS:

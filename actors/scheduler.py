@@ -1,9 +1,9 @@
 """Scheduler actor: continuous batching, with up to two steps in flight.
 
-Inbox: AddRequest, AbortRequests, StatsQuery (Engine); Allocation (BlockManager); StepResult
-(Worker); Reset (supervisor, after a restart); Stop.
-Outbox: AllocateStep, FreeBlocks, StatsQuery, Reset -> BlockManager; StepPlan, Reset -> the
-Worker's forward thread (its mailbox WORKER_STEPS); TokensOut, Recover -> Engine.
+Inbox: AddRequest, AbortRequests, StatsQuery (Engine); Allocation (BlockManager); StepResult,
+GrammarReady (Worker); Reset (supervisor, after a restart); Stop.
+Outbox: AllocateStep, FreeBlocks, StatsQuery, Reset -> BlockManager; StepPlan, CompileGrammar,
+Reset -> the Worker's forward thread (its mailbox WORKER_STEPS); TokensOut, Recover -> Engine.
 Owns: the waiting queue and running set, every request's tokens and computed-token count (in its
 StepPlanner, actors/step_planner.py, which documents how a step is planned).
 Dies when: Stop, or its supervisor goes away (then by SIGTERM).
@@ -11,7 +11,7 @@ Dies when: Stop, or its supervisor goes away (then by SIGTERM).
 The actor only moves messages: it hands each to the planner and sends what the planner returns,
 the frees first (the BlockManager frees before it allocates the next step). After an arrival it
 plans once the messages already in the mailbox are handled, so requests submitted together start
-in the same step.
+in the same step. A structured request waits for its grammar first (grammar_gate.py).
 
 Output: a request's new tokens go to the Engine in the TokensOut of the step that sampled them,
 but those of a final_only request without stop strings (SamplingParams.output_kind) wait in
@@ -33,9 +33,20 @@ from msgspec.structs import replace
 
 from ..messages.blocks import AllocateStep, Allocation, FreeBlocks
 from ..messages.codec import SchedulerInbox
+from ..messages.common import FinishReason
 from ..messages.control import Recover, Reset
-from ..messages.step import AbortRequests, AddRequest, StatsQuery, StepPlan, StepResult
+from ..messages.step import (
+    AbortRequests,
+    AddRequest,
+    RequestOutput,
+    StatsQuery,
+    StepPlan,
+    StepResult,
+    TokensOut,
+)
+from ..messages.structured import CompileGrammar, GrammarReady
 from .config import WORKER_STEPS
+from .grammar_gate import GrammarGate
 from .runtime import Actor, actor_main
 from .step_planner import StepPlanner
 from .step_trace import EventTrace
@@ -51,6 +62,7 @@ class Scheduler(Actor):
         self.last_flush = time.monotonic()  # when held final_only outputs last went out
         self.trace = EventTrace(config.step_trace, ".scheduler")
         self.plan_queued = False  # see _plan_after_inbox
+        self.grammars = GrammarGate(config.structured_cache_size)
 
     def on_reset(self, message: Reset) -> None:
         self.log.warning(
@@ -59,15 +71,36 @@ class Scheduler(Actor):
             len(self.planner.requests),
         )
         self.planner.reset(message.epoch)
+        self.grammars.reset()
         self.send("block_manager", message)
         self.send(WORKER_STEPS, message)
         self.send("engine", Recover(message.epoch, message.actor))
 
     def on_add_request(self, message: AddRequest) -> None:
+        if not self.grammars.admits(message):
+            spec = self.grammars.park(message)
+            if spec is not None:
+                self.send(WORKER_STEPS, CompileGrammar(self.planner.epoch, spec))
+            return
         self.planner.add(message)
         self._plan_after_inbox()
 
+    def on_grammar_ready(self, message: GrammarReady) -> None:
+        if message.epoch != self.planner.epoch:
+            return  # asked before a reset: the re-submitted requests asked again
+        waiting = self.grammars.compiled(message)
+        if message.error is not None:
+            error = FinishReason.ERROR
+            outputs = [RequestOutput(m.request_id, [], error) for m in waiting]
+            if outputs:
+                self.send("engine", TokensOut(self.planner.epoch, outputs))
+            return
+        for parked in waiting:
+            self.planner.add(parked)
+        self._plan_after_inbox()
+
     def on_abort_requests(self, message: AbortRequests) -> None:
+        self.grammars.drop(message.request_ids)  # the Engine has retired them already
         tokens = self.planner.abort(message)
         self._send_frees()
         if tokens is not None:
@@ -75,7 +108,8 @@ class Scheduler(Actor):
 
     def on_stats_query(self, message: StatsQuery) -> None:
         planner = self.planner
-        running, waiting = len(planner.running), len(planner.waiting)
+        running = len(planner.running)
+        waiting = len(planner.waiting) + self.grammars.num_parked
         message.stats = replace(planner.counters, num_running=running, num_waiting=waiting)
         self.send("block_manager", message)
 

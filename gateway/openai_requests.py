@@ -13,6 +13,7 @@ import msgspec
 
 from ..messages.common import MAX_LOGPROBS, MAX_N, OutputKind, SamplingParams
 from .openai_errors import invalid
+from .openai_structured import StructuredFields
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -20,8 +21,9 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
 
 
-class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Fields both routes share: OpenAI's, then the sampling extras vLLM accepts."""
+class _Common(StructuredFields, kw_only=True, forbid_unknown_fields=True):
+    """Fields both routes share: OpenAI's, then the sampling extras vLLM accepts, and the
+    structured-output ones (openai_structured.py)."""
 
     model: str | None = None
     stream: bool = False
@@ -78,6 +80,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
         """The engine's params; a non-streamed request is a whole completion (final_only)."""
+        structured, _ = self.structured()
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -101,6 +104,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             prompt_logprobs=self.prompt_logprobs,
             cache_salt=self.cache_salt,
             output_kind=OutputKind.DELTA if self.stream else OutputKind.FINAL_ONLY,
+            structured=structured,
         )
 
     @property
@@ -176,7 +180,6 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
     def check(self) -> None:
@@ -193,8 +196,6 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
                 )
         if self.tools:
             raise invalid("tools are not supported yet", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise invalid("response_format other than text is not supported yet", "response_format")
 
     @property
     def logprobs_count(self) -> int | None:

@@ -119,17 +119,23 @@ def check_int64(
                 raise invalid(f"{name} must fit in 64 bits (-2**63 <= n < 2**63)", name)
 
 
-def engine_error(exc: EngineError, prompt_param: str = "prompt") -> APIError:
-    """The Engine's ErrorReply as an API error; its message starts with the field it names."""
+def engine_error(
+    exc: EngineError, prompt_param: str = "prompt", structured_param: str = "structured"
+) -> APIError:
+    """The Engine's ErrorReply as an API error; its message starts with the field it names
+    (`structured` is renamed to the request field the constraint came from)."""
     status = ENGINE_STATUS.get(exc.code, 500)
-    first = str(exc).split(" ", 1)[0].rstrip(":")
+    message = str(exc)
+    first = message.split(" ", 1)[0].rstrip(":")
     param = (
         prompt_param
         if first in ("prompt", "prompt_token_ids")
         else (first if first in SAMPLING_FIELDS else None)
     )
+    if param == "structured" and structured_param != param:
+        param, message = structured_param, structured_param + message[len("structured") :]
     retry = RETRY_AFTER if status in (429, 503) else None
-    return APIError(status, str(exc), param, exc.code, retry)
+    return APIError(status, message, param, exc.code, retry)
 
 
 class Gateway:
@@ -216,13 +222,17 @@ class Gateway:
         request_id: str,
         prompt_param: str = "prompt",
         priority: int = 0,
+        structured_param: str = "structured",
     ) -> AsyncIterator[Delta]:
         """Deltas of one request (of its n samples, by `Delta.index`); raises APIError.
-        Leaving before all n samples finished aborts it in the Engine (the SDK does)."""
+        Leaving before all n samples finished aborts it in the Engine (the SDK does).
+        `structured_param`: the request field params.structured came from (named in errors)."""
         check_int64(prompt, params, prompt_param, priority)
         error = params.validate(self.settings.vocab_size)
         if error:
-            raise engine_error(EngineError(error, "invalid_request"), prompt_param)
+            raise engine_error(
+                EngineError(error, "invalid_request"), prompt_param, structured_param
+            )
         self._admit()
         arrival = time.perf_counter()
         first: float | None = None
@@ -241,7 +251,7 @@ class Gateway:
             reason = last.finish_reason.value if last and last.finish_reason else "abort"
             self.metrics.observe(arrival, first, time.perf_counter(), longest, reason)
         except EngineError as exc:
-            raise engine_error(exc, prompt_param) from None
+            raise engine_error(exc, prompt_param, structured_param) from None
         finally:
             self._release()
             await stream.aclose()  # the SDK aborts a request left before it finished

@@ -10,15 +10,19 @@ from .blocks import AllocateStep, Allocation, FreeBlocks
 from .client import ClientToEngine, EngineToClient
 from .control import Drain, Recover, Reset, Roster, Stop, ToSupervisor
 from .step import AbortRequests, AddRequest, StatsQuery, StatsReply, StepPlan, StepResult, TokensOut
+from .structured import CompileGrammar, GrammarReady
 
 T = TypeVar("T")
 
 EngineInbox = TokensOut | StatsReply | Roster | Recover | Drain | Stop
-SchedulerInbox = AddRequest | AbortRequests | Allocation | StepResult | StatsQuery | Reset | Stop
+SchedulerInbox = (
+    AddRequest | AbortRequests | Allocation | StepResult | StatsQuery | GrammarReady | Reset | Stop
+)
 BlockManagerInbox = AllocateStep | FreeBlocks | StatsQuery | Reset | Stop
 WorkerInbox = Stop
 GatewayInbox = Drain | Stop  # the HTTP gateway's process (a supervised child, not an actor)
-WorkerStepsInbox = StepPlan | Reset | Stop  # read by the Worker's forward thread (WORKER_STEPS)
+# read by the Worker's forward thread (WORKER_STEPS)
+WorkerStepsInbox = StepPlan | CompileGrammar | Reset | Stop
 SupervisorInbox = ToSupervisor
 
 DecodeError = (msgspec.DecodeError, msgspec.ValidationError)

@@ -6,6 +6,8 @@ import enum
 
 import msgspec
 
+from .structured import StructuredOutput
+
 PROTOCOL_VERSION = 2
 MAX_STOP_STRINGS = 16
 MAX_N = 64  # parallel samples of one request
@@ -14,6 +16,7 @@ MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_CACHE_SALT = 256  # characters of cache_salt
 MAX_STOP_TOKEN_IDS = 1024  # entries of stop_token_ids
 MAX_TOKENS = 1 << 20  # max_tokens of one sample (a request also stops at max_model_len)
+MAX_STRUCTURED_CHARS = 1 << 20  # a schema's, regex's or grammar's text (EngineConfig lowers it)
 
 
 def max_prompt_chars(longest_token_chars: int, max_model_len: int) -> int:
@@ -72,6 +75,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     `cache_salt` (vLLM's): requests share prefix-cache blocks only with requests of the same
     salt (or, without one, with the others without one): one secret salt per tenant keeps a
     tenant from learning, by timing, what another's prompts hold.
+    `structured`: the whole output matches a JSON schema, a regex, one of some choices or a
+    grammar (messages/structured.py); it ends where the grammar does (EOS), so it takes no
+    min_tokens.
     """
 
     n: int = 1
@@ -94,15 +100,19 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     prompt_logprobs: int | None = None
     output_kind: OutputKind = OutputKind.DELTA
     cache_salt: str | None = None
+    structured: StructuredOutput | None = None
 
     def stop_token_set(self, eos_token_ids: list[int]) -> frozenset[int]:
         """The tokens that end a sample: stop_token_ids, and EOS unless ignore_eos (neither
-        counts before min_tokens)."""
-        if self.ignore_eos:
+        counts before min_tokens). A structured output's grammar ends with EOS, so EOS stops it
+        even under ignore_eos."""
+        if self.ignore_eos and self.structured is None:
             return frozenset(self.stop_token_ids)
         return frozenset(self.stop_token_ids).union(eos_token_ids)
 
-    def validate(self, vocab_size: int) -> str | None:
+    def validate(
+        self, vocab_size: int, max_structured_chars: int = MAX_STRUCTURED_CHARS
+    ) -> str | None:
         """None when the params are acceptable, else a message naming the field and its limit."""
         if not 1 <= self.n <= MAX_N:
             return f"n must be in [1, {MAX_N}], got {self.n}"
@@ -140,6 +150,12 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
                 f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters, "
                 f"got {len(self.cache_salt)} characters"
             )
+        if self.structured is not None:
+            error = self.structured.validate(max_structured_chars)
+            if error is None and self.min_tokens:
+                error = "structured: min_tokens must be 0 (the grammar decides where it ends)"
+            if error is not None:
+                return error
         return self._validate_logits_params(vocab_size)
 
     def _validate_logits_params(self, vocab_size: int) -> str | None:

@@ -115,7 +115,7 @@ def test_json_nested_past_the_decoders_depth_is_a_400_not_a_500(gateway):
     for route, raw in (
         ("completions", f'{{"prompt": {deep}}}'),
         ("chat/completions", f'{{"messages": [], "tools": [{{"a": {deep}}}]}}'),
-        ("chat/completions", f'{{"messages": [], "response_format": {{"a": {deep}}}}}'),
+        ("chat/completions", f'{{"messages": [], "guided_json": {{"a": {deep}}}}}'),
         ("completions", "[" * 60_000),
     ):
         reply = call(gateway, "POST", f"/v1/{route}", headers=AUTH, raw=raw.encode())

@@ -25,6 +25,8 @@ from ..config import EngineConfig
 from ..step_trace import open_trace
 from .block_tables import BlockTables
 from .decode_batch import DecodeBatch, sample_rows_of
+from .grammar_cache import GrammarCache
+from .grammar_state import GrammarState, advance_grammars, mask_grammar_rows
 from .kv_cache import KVCache
 from .logprobs import PromptLogprobsTracker, start_sample_logprobs
 from .models.llama import AttentionMetadata
@@ -91,6 +93,9 @@ class ModelRunner:
         else:
             self.sampler = Sampler(config.seed, fast_path.argmax_rows)
         self.prompt_logprobs = PromptLogprobsTracker()  # requests owing prompt logprobs
+        self.grammars = GrammarCache(
+            config.model, config.facts.vocab_size, self.eos_token_ids, config.structured_cache_size
+        )
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None  # step inputs, KV swaps
         self.compute_stream = torch.cuda.Stream(device) if cuda else None
@@ -117,6 +122,10 @@ class ModelRunner:
             row = self.block_tables.take_row()
             self.block_tables.write(row, 0, new.block_ids)
             token_ids = list(new.token_ids)
+            sample_row = SampleRow(new.params, 0, 0, stops, token_ids)
+            if new.params.structured is not None:  # its matcher, past the tokens it has
+                compiled = self.grammars.get(new.params.structured)
+                sample_row.grammar = GrammarState(compiled, token_ids[new.num_prompt_tokens :])
             self.requests[new.request_id] = CachedRequest(
                 token_ids,
                 new.num_prompt_tokens,
@@ -124,7 +133,7 @@ class ModelRunner:
                 row,
                 len(new.block_ids),
                 new,
-                SampleRow(new.params, 0, 0, stops, token_ids),
+                sample_row,
             )
             scheduled.append((new.request_id, new.num_new_tokens))
         return scheduled
@@ -344,8 +353,12 @@ class ModelRunner:
             other_rows = [rows[i] for i in other]
             logits = self.compute_logits(sampled[other])
             logits_done = self._clock()
-            pending = start_sample_logprobs(logits, other_rows)  # raw distribution
+            if any(row.grammar is not None for row in other_rows):
+                logits = logits.float()  # masked in place (the sampler's dtype anyway)
+            constrained = mask_grammar_rows(logits, other_rows)
+            pending = start_sample_logprobs(logits, other_rows)  # raw (but masked) distribution
             some = self.sampler(logits, other_rows)
+            advance_grammars(other_rows, some, constrained)
             for i, token in zip(other, some):
                 tokens[i] = token
             if pending is not None:

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ...messages.common import SamplingParams
 from .logits_processors import PenaltyHistory, apply_logits_processors
+
+if TYPE_CHECKING:
+    from .grammar_state import GrammarState
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
@@ -35,6 +39,7 @@ class SampleRow:
     stop_token_ids: list[int]  # EOS (unless ignore_eos) + stop_token_ids, masked before min_tokens
     token_ids: list[int] | None = None  # prompt + output so far (read only for penalties)
     penalty_history: PenaltyHistory | None = None  # kept across steps by apply_penalties
+    grammar: GrammarState | None = None  # a structured output's matcher (grammar_state.py)
     masked_until: int = field(init=False)  # see __post_init__
     plain_from: int | None = field(init=False)
 
@@ -46,7 +51,10 @@ class SampleRow:
         params = self.params
         self.masked_until = params.min_tokens if self.stop_token_ids else 0
         plain = (
-            params.temperature == 0.0 and params.logprobs is None and not params.processes_logits
+            params.temperature == 0.0
+            and params.logprobs is None
+            and not params.processes_logits
+            and params.structured is None
         )
         self.plain_from = self.masked_until if plain else None
 
@@ -58,7 +66,8 @@ class SampleRow:
 
 def is_plain_greedy(row: SampleRow) -> bool:
     """Greedy with nothing between the logits and the argmax (no penalties or bias, no stop
-    token masked for min_tokens, no logprobs): the LM head may pick the token itself."""
+    token masked for min_tokens, no logprobs, no grammar): the LM head may pick the token
+    itself."""
     return row.plain_from is not None and row.num_output >= row.plain_from
 
 

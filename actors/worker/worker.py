@@ -1,9 +1,11 @@
 """Worker actor: owns the device, the model, the paged KV cache and (on CUDA) its streams.
 
-Inbox: StepPlan, Reset (Scheduler), read by the forward thread from its own mailbox
-(WORKER_STEPS); Stop, on the event loop's. Plans of another epoch than the last Reset's are dropped.
-Outbox: StepResult -> Scheduler; Ready (with num_kv_blocks), Heartbeat -> supervisor.
-Owns: model weights, KV cache tensors, the persistent batch (runner.py).
+Inbox: StepPlan, CompileGrammar, Reset (Scheduler), read by the forward thread from its own
+mailbox (WORKER_STEPS); Stop, on the event loop's. Plans of another epoch than the last Reset's
+are dropped.
+Outbox: StepResult, GrammarReady -> Scheduler; Ready (with num_kv_blocks), Heartbeat -> supervisor.
+Owns: model weights, KV cache tensors, the persistent batch (runner.py), the compiled grammars
+and their compile thread (grammar_cache.py).
 Dies when: Stop, or its supervisor goes away (then by SIGTERM). A failing step is answered with
 StepResult.error, and the Worker keeps serving.
 
@@ -28,6 +30,7 @@ from ...kernels import attention_ops
 from ...messages.codec import DecodeError, Decoder, WorkerInbox, WorkerStepsInbox, encode
 from ...messages.control import Ready, Reset, Stop
 from ...messages.step import StepPlan, StepResult
+from ...messages.structured import CompileGrammar, GrammarReady
 from ..config import WORKER_STEPS, EngineConfig
 from ..runtime import Actor, actor_main
 
@@ -158,7 +161,7 @@ class Worker(Actor):
             steps.close(linger=0)
 
     def _run_steps(self, steps: zmq.Socket, results: zmq.Socket) -> None:
-        decoder: Decoder[StepPlan | Reset | Stop] = Decoder(WorkerStepsInbox)
+        decoder: Decoder[StepPlan | CompileGrammar | Reset | Stop] = Decoder(WorkerStepsInbox)
         while True:
             data = steps.recv()
             try:
@@ -170,6 +173,9 @@ class Worker(Actor):
                 continue
             if isinstance(item, Stop):
                 return
+            if isinstance(item, CompileGrammar):
+                self._compile_grammar(item)
+                continue
             if isinstance(item, Reset):
                 self.epoch = item.epoch
                 self.runner.forget_all()
@@ -178,6 +184,16 @@ class Worker(Actor):
                 result = self._execute(item)
                 if item.running or item.new:
                     results.send(encode(result), copy=False)
+
+    def _compile_grammar(self, message: CompileGrammar) -> None:
+        """Start the compile on the compile thread; the event loop answers when it is done."""
+        epoch, spec = message.epoch, message.spec
+
+        def answer(error: str | None) -> None:
+            ready = GrammarReady(epoch, spec, error)
+            self.loop.call_soon_threadsafe(self.send, "scheduler", ready)
+
+        self.runner.grammars.when_compiled(spec, answer)
 
     def _crash_if_faulty(self, plan: StepPlan) -> None:
         """The tests' poison request (EngineConfig.fault_crash_on_token_id): a new request whose
@@ -210,6 +226,7 @@ class Worker(Actor):
             self.send(WORKER_STEPS, Stop(reason="teardown"))  # after any plan already queued
         await asyncio.wait([self.forward])
         self.executor.shutdown(wait=True)
+        self.runner.grammars.close()
 
 
 if __name__ == "__main__":
