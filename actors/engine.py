@@ -84,7 +84,7 @@ class Engine(Actor):
         self.facts = config.facts
         self.live: dict[str, LiveRequest] = {}  # by engine id (a child's for n > 1)
         self.groups: dict[str, list[str]] = {}  # engine id of an n > 1 request -> live children
-        self.tokenizing: dict[str, GenerateRequest] = {}  # by engine id: prompt on a thread
+        self.preparing: dict[str, GenerateRequest] = {}  # by engine id: on a thread (_prepare)
         self.heard: dict[bytes, float] = {}  # client identity -> when it last sent anything
         self.health = HealthQueries()  # waiting for the Scheduler's stats
         self.roster: list[ActorStatus] = []
@@ -171,10 +171,11 @@ class Engine(Actor):
 
     def _known(self, identity: bytes, request_id: str) -> bool:
         eid = key(identity, request_id)
-        return eid in self.live or eid in self.groups or eid in self.tokenizing
+        return eid in self.live or eid in self.groups or eid in self.preparing
 
     def on_generate(self, identity: bytes, message: GenerateRequest) -> None:
-        """Check, tokenize (on a thread when the prompt is long), then admit."""
+        """Check, tokenize, then admit; on a thread when the prompt is long or the request has a
+        structured output (_prepare)."""
         rid = message.request_id
         try:
             if self.draining:
@@ -184,35 +185,41 @@ class Engine(Actor):
                 raise InvalidRequest(f"request_id {rid!r} is already in use by a live request")
             check_request(message, self.config)
             check_resume(message, self.config)
-            check_structured(message.params, self.checked_specs)
             if message.prompt is not None:
                 check_prompt_text(message.prompt, self.max_prompt_chars, self.config.max_model_len)
-            if message.prompt is not None and len(message.prompt) > INLINE_TOKENIZE_CHARS:
-                self.tokenizing[key(identity, rid)] = message
-                asyncio.get_running_loop().create_task(self._tokenize_then_admit(identity, message))
+            long_prompt = message.prompt is not None and len(message.prompt) > INLINE_TOKENIZE_CHARS
+            if long_prompt or message.params.structured is not None:
+                self.preparing[key(identity, rid)] = message
+                asyncio.get_running_loop().create_task(self._prepare_then_admit(identity, message))
                 return
             self.admit(identity, message, self.prompt_token_ids(message))
         except InvalidRequest as exc:
             self.reply(identity, ErrorReply(str(exc), "invalid_request", rid))
 
-    async def _tokenize_then_admit(self, identity: bytes, message: GenerateRequest) -> None:
+    def _prepare(self, message: GenerateRequest) -> list[int]:
+        """On a thread: the structured output's check (xgrammar's import and parse take time),
+        then the prompt's tokens."""
+        check_structured(message.params, self.checked_specs)
+        return self.prompt_token_ids(message)
+
+    async def _prepare_then_admit(self, identity: bytes, message: GenerateRequest) -> None:
         eid = key(identity, message.request_id)
         try:
-            ids = await asyncio.to_thread(self.tokenizer.encode, message.prompt)
-            if self.tokenizing.get(eid) is not message:
+            ids = await asyncio.to_thread(self._prepare, message)
+            if self.preparing.get(eid) is not message:
                 return  # aborted (or its client went away) meanwhile
-            del self.tokenizing[eid]
+            del self.preparing[eid]
             self.admit(identity, message, ids)
         except InvalidRequest as exc:
             self.reply(identity, ErrorReply(str(exc), "invalid_request", message.request_id))
         except Exception as exc:
-            self.log.exception("tokenizing a %d-character prompt failed", len(message.prompt))
+            self.log.exception("preparing request %r failed", message.request_id)
             self.reply(
                 identity, ErrorReply(f"internal error: {exc}", "internal", message.request_id)
             )
         finally:
-            if self.tokenizing.get(eid) is message:
-                del self.tokenizing[eid]
+            if self.preparing.get(eid) is message:
+                del self.preparing[eid]
 
     def prompt_token_ids(self, message: GenerateRequest) -> list[int]:
         if message.prompt is not None:
@@ -245,7 +252,7 @@ class Engine(Actor):
 
     def abort(self, engine_id: str, tell_client: bool = True) -> None:
         """Abort a client's request (every sample of an n > 1 one)."""
-        self.tokenizing.pop(engine_id, None)
+        self.preparing.pop(engine_id, None)
         children = self.groups.get(engine_id) or [engine_id]
         aborted = [cid for cid in children if cid in self.live]
         if not aborted:
@@ -276,7 +283,7 @@ class Engine(Actor):
         self.heard.pop(identity, None)
         prefix = identity.hex() + "/"
         ids = [eid for eid in (*self.groups, *self.live) if eid.startswith(prefix)]
-        ids += [eid for eid in self.tokenizing if eid.startswith(prefix)]
+        ids += [eid for eid in self.preparing if eid.startswith(prefix)]
         if ids:
             self.log.warning("client %s went away: aborting its %d requests", prefix[:-1], len(ids))
         for eid in ids:

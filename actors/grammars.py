@@ -13,7 +13,6 @@ information, costs tokens, and a weak model can spend its whole budget on it.
 
 from __future__ import annotations
 
-import importlib
 import json
 import threading
 from collections import OrderedDict
@@ -73,24 +72,24 @@ def first_line(exc: Exception) -> str:
 class CheckedSpecs:
     """The Engine's memory of specs that parsed (LRU): a repeated schema is parsed once.
 
-    Made, it starts importing xgrammar on a daemon thread: that import takes seconds (its
-    native library, its pydantic models), and the Engine's event loop, which answers heartbeats,
-    must not stop for them on its first structured request. (A request that comes before the
-    import is done waits for it, once, in the first seconds of the Engine's life.)"""
+    `check` runs on a thread (the Engine's off-loop admission path), never on the event loop:
+    the first call imports xgrammar, which takes seconds (its native library, torch,
+    transformers) and should cost nothing to an Engine that never sees a structured request;
+    a large schema's parse, too, must not hold up the heartbeats. Hence the lock."""
 
     def __init__(self, capacity: int = CHECKED_SPECS):
         self.capacity = capacity
         self.valid: OrderedDict[StructuredOutput, None] = OrderedDict()
-        threading.Thread(
-            target=importlib.import_module, args=("xgrammar",), name="import", daemon=True
-        ).start()
+        self.lock = threading.Lock()
 
     def check(self, spec: StructuredOutput) -> None:
         """Raise ValueError when `spec` cannot be compiled."""
-        if spec in self.valid:
-            self.valid.move_to_end(spec)
-            return
+        with self.lock:
+            if spec in self.valid:
+                self.valid.move_to_end(spec)
+                return
         check(spec)
-        self.valid[spec] = None
-        if len(self.valid) > self.capacity:
-            self.valid.popitem(last=False)
+        with self.lock:
+            self.valid[spec] = None
+            if len(self.valid) > self.capacity:
+                self.valid.popitem(last=False)
