@@ -54,6 +54,13 @@ def load() -> ctypes.CDLL | None:
     lib.panel_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
     lib.panel_width.restype = i64
     lib.panel_width.argtypes = []
+    lib.panel_linear_bf16.restype = ctypes.c_int
+    lib.panel_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr]
+    lib.greedy_head_bf16.restype = ctypes.c_int
+    lib.greedy_head_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
+    for width in (lib.panel_width_bf16, lib.panel_bf16_native):
+        width.restype = i64
+        width.argtypes = []
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
     lib.store_kv.restype = ctypes.c_int
@@ -138,6 +145,44 @@ def pack_panels(lib: ctypes.CDLL, weight: torch.Tensor, huge: bool = True) -> to
     return panels.copy_(padded.view(-1, width, cols).transpose(1, 2))
 
 
+def pack_panels_bf16(lib: ctypes.CDLL, weight: torch.Tensor, huge: bool = True) -> torch.Tensor:
+    """A bf16 weight [N, K] (any layout) -> the panels cpu_panel_gemm_bf16.c reads, as int32
+    pairs [ceil(N / NR), ceil(K / 2), NR]: pair (i, j) of panel p holds weight[p * NR + j, 2i] in
+    its low half and weight[p * NR + j, 2i + 1] in its high half, zero past N and K (NR: the
+    library's bf16 width); on huge pages where `huge`."""
+    width = lib.panel_width_bf16()
+    rows, cols = weight.shape
+    padded = torch.zeros(-(-rows // width) * width, -(-cols // 2) * 2, dtype=torch.bfloat16)
+    padded[:rows, :cols] = weight
+    pairs = padded.view(torch.int32)  # little-endian: element 2i is the low half
+    shape = (pairs.shape[0] // width, pairs.shape[1], width)
+    panels = huge_pages.empty(shape, torch.int32, huge)
+    return panels.copy_(pairs.view(-1, width, pairs.shape[1]).transpose(1, 2))
+
+
+def panel_linear_bf16(
+    lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """x [M, K] bf16 (rows may be strided, columns contiguous), panels from pack_panels_bf16 of
+    a weight [n, K] -> x @ weight.T [M, n] in `dtype`: bf16 (rounded to nearest even) or fp32
+    (see cpu_panel_gemm_bf16.c)."""
+    out = torch.empty(x.shape[0], n, dtype=dtype)
+    wide = dtype == torch.float32
+    status = lib.panel_linear_bf16(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        x.stride(0),
+        panels.data_ptr(),
+        n,
+        out.data_ptr() if wide else None,
+        None if wide else out.data_ptr(),
+    )
+    if status != 0:
+        raise MemoryError("panel_linear_bf16 could not allocate its buffer")
+    return out
+
+
 def panel_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] fp32 (rows may be strided, columns contiguous), panels from pack_panels of a
     weight [n, K] -> x @ weight.T [M, n] (see cpu_panel_gemm.c)."""
@@ -155,9 +200,11 @@ def greedy_head(
 ) -> torch.Tensor:
     """hidden [N, H] fp32 (rows may be strided, columns contiguous), panels from pack_panels
     -> [N] int64: (hidden @ weight.T).max(dim=-1).indices, the logits never written (see
-    cpu_panel_gemm.c)."""
+    cpu_panel_gemm.c). bf16 hidden with panels from pack_panels_bf16: the same over fp32 sums of
+    the bf16 products (cpu_panel_gemm_bf16.c)."""
     out = torch.empty(hidden.shape[0], dtype=torch.int64)
-    status = lib.greedy_head(
+    function = lib.greedy_head_bf16 if hidden.dtype == torch.bfloat16 else lib.greedy_head
+    status = function(
         hidden.data_ptr(),
         hidden.shape[0],
         hidden.shape[1],
