@@ -34,7 +34,7 @@ def load() -> ctypes.CDLL | None:
         log.warning("CPU kernels in C unavailable (%s): using the torch paths", exc)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for attention in (lib.decode_attention, lib.prefill_attention):
+    for attention in (lib.decode_attention, lib.decode_attention_bf16, lib.prefill_attention):
         attention.restype = ctypes.c_int
         attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr] + [i64] * 5
         attention.argtypes += [ctypes.c_float, ptr]
@@ -63,8 +63,9 @@ def load() -> ctypes.CDLL | None:
         width.argtypes = []
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
-    lib.store_kv.restype = ctypes.c_int
-    lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
+    for store in (lib.store_kv, lib.store_kv_bf16):
+        store.restype = ctypes.c_int
+        store.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
     lib.silu_mul.restype = None
     lib.silu_mul.argtypes = [ptr, i64, i64, ptr]
     lib.rope.restype = None
@@ -100,8 +101,12 @@ def paged_attention(
     query token (cpu_decode.c); rows="prefill": sequences computing a chunk of more than one
     token, causal over the cache (cpu_prefill.c).
 
-    Takes fp32 CPU tensors; q, out, caches contiguous; the int32 metadata contiguous."""
-    function = {"decode": lib.decode_attention, "prefill": lib.prefill_attention}[rows]
+    Takes fp32 CPU tensors (for rows="decode" the caches may be bf16); q, out, caches
+    contiguous; the int32 metadata contiguous."""
+    if rows == "decode" and k_cache.dtype == torch.bfloat16:
+        function = lib.decode_attention_bf16
+    else:
+        function = {"decode": lib.decode_attention, "prefill": lib.prefill_attention}[rows]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     status = function(
         q.data_ptr(),
@@ -347,9 +352,10 @@ def store_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """k, v [T, Hkv, D] fp32 (each token's Hkv x D contiguous), caches contiguous, slot_mapping
-    [T] int64 contiguous; as kernels.reference.store_kv."""
+    [T] int64 contiguous; as kernels.reference.store_kv. Or all four bf16."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    status = lib.store_kv(
+    function = lib.store_kv_bf16 if k_cache.dtype == torch.bfloat16 else lib.store_kv
+    status = function(
         k.data_ptr(),
         k.stride(0),
         v.data_ptr(),

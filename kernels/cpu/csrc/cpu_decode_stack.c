@@ -137,7 +137,7 @@ static int run_layers(const stack_model *m, const stack_buffers *b, int64_t T, i
         int failed = 0;
         if (order != NULL) {
 #pragma omp barrier
-            failed = decode_attention_team(b->q, layer->k_cache, layer->v_cache, block_tables,
+            failed = decode_attention_team(b->q, layer->k_cache, layer->v_cache, 0, block_tables,
                                            table_stride, seq_lens, query_start_loc,
                                            m->block_size, hq, hkv, D, m->scale, order, count,
                                            max_len, b->attn);

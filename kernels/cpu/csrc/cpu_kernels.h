@@ -12,7 +12,7 @@ int decode_attention(const float *q, const float *k_cache, const float *v_cache,
                      float *out);
 int64_t *decode_order(const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
                       int64_t *count, int64_t *max_len);
-int decode_attention_team(const float *q, const float *k_cache, const float *v_cache,
+int decode_attention_team(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
                           const int32_t *block_tables, int64_t table_stride,
                           const int32_t *seq_lens, const int32_t *query_start_loc,
                           int64_t block_size, int64_t num_q_heads, int64_t num_kv_heads,

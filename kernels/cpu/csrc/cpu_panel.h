@@ -27,10 +27,6 @@
 #define NRV 3
 #define NR (NRV * VW)
 
-typedef uint32_t vu __attribute__((vector_size(4 * VW)));
-typedef uint16_t vh __attribute__((vector_size(2 * VW)));
-typedef uint16_t vh_mem __attribute__((vector_size(2 * VW), aligned(2), may_alias));
-
 /* aligned_alloc wants a size that is a multiple of the alignment */
 static inline void *alloc64(int64_t bytes) {
     return aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
@@ -39,14 +35,6 @@ static inline void *alloc64(int64_t bytes) {
 /* Room for a [m, k] as [row block][steps][MR] 4-byte elements; NULL when it cannot allocate */
 static inline void *alloc_rows(int64_t m, int64_t steps) {
     return alloc64(4 * ((m + MR - 1) / MR * MR) * steps);
-}
-
-/* fp32 -> bf16 bits, rounded to nearest even (NaN stays a quiet NaN): c10's conversion. */
-INLINE vh round_bf16(vf x) {
-    const vu u = (vu)x;
-    const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const vu nan = (vu)(x != x);
-    return __builtin_convertvector((rounded & ~nan) | (0x7fc0u & nan), vh);
 }
 
 /* What to do with each tile: store it (panel_linear) or fold it into the rows' best columns. */
