@@ -1,7 +1,8 @@
 """The CPU fast path over a bf16 model where the CPU multiplies bf16 natively (kernels/cpu/
 fast_path.py, panels.py): its projections go through bf16 panels, its greedy head is the exact
-bf16 one (no screen), whose panels also give the decode-sized logits, and it packs no decode
-stack; its steps stay within bf16 noise of the plain bf16 model's. Without native bf16
+bf16 one (no screen), whose panels also give the decode-sized logits, and over a bf16 KV cache
+its decode steps run in one C call (the decode stack, fp32 inside); its steps stay within bf16
+noise of the plain bf16 model's. Without native bf16
 (injected, not faked in /proc) nothing of it serves: test_bf16_dtype.py."""
 
 from __future__ import annotations
@@ -58,7 +59,15 @@ def test_a_bf16_model_gets_bf16_panels_and_the_exact_bf16_head(kind):
     assert all(isinstance(p, PackedLinear) for p in projections(model))
     assert all(p.panel.dtype == torch.bfloat16 for p in projections(model))
     assert type(fast.greedy_head) is GreedyHead and fast.greedy_head.dtype == torch.bfloat16
-    assert not fast.serves_decode_stack
+
+
+def test_the_bf16_decode_stack_serves_over_a_bf16_cache_only():
+    over_bf16 = CpuFastPath(bindings.load(), native_bf16=True)
+    bf16_model("demo-bf16", over_bf16, torch.bfloat16)
+    assert over_bf16.serves_decode_stack
+    over_fp32 = CpuFastPath(bindings.load(), native_bf16=True)
+    bf16_model("demo-bf16", over_fp32, torch.float32)
+    assert not over_fp32.serves_decode_stack
 
 
 def test_native_bf16_defaults_to_what_the_cpu_has():
@@ -97,13 +106,27 @@ def run(cache: PagedCache, follow: list[torch.Tensor] | None = None, steps: int 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
 def test_bf16_fast_path_steps_stay_within_bf16_noise_of_the_plain_model(kind, kv_dtype):
     """Over the same tokens, every step's logits close to the plain bf16 model's (bf16 sums in
-    another order are not bit-equal, and each layer rounds its activations to bf16)."""
-    _, fast_cache = bf16_model(kind, CpuFastPath(bindings.load(), native_bf16=True), kv_dtype)
+    another order are not bit-equal, the model rounds its activations to bf16 between ops and
+    the decode stack does not). Over a bf16 cache the decode stack serves the decode steps."""
+    fast = CpuFastPath(bindings.load(), native_bf16=True)
+    _, fast_cache = bf16_model(kind, fast, kv_dtype)
+    stack_steps = []  # the steps the stack computed (it declines the prefill)
+    if fast.serves_decode_stack:
+        stack = fast._stack
+
+        def counted(*args):
+            hidden = stack(*args)
+            stack_steps.extend([] if hidden is None else [hidden.dtype])
+            return hidden
+
+        fast._stack = counted
     _, plain_cache = bf16_model(kind, None, kv_dtype)
     expected_run = run(plain_cache)
     for got, expected in zip(run(fast_cache, expected_run), expected_run, strict=True):
         scale = expected.abs().amax(dim=-1, keepdim=True)
         assert ((got - expected).abs() <= 0.05 * scale).all()
+    uses_stack = kv_dtype == torch.bfloat16 and kind == "demo-bf16"  # qwen3 has q/k norms
+    assert stack_steps == ([torch.bfloat16] * 5 if uses_stack else [])
 
 
 def test_the_worker_gives_a_bf16_checkpoint_the_bf16_fast_path_on_a_native_cpu():

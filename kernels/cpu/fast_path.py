@@ -9,10 +9,10 @@ head (lm_head.py); the decode stack over the KV caches (decode_stack.py). Its el
 (`elementwise`) are given to the model when it is built, and its attention is the `cpu` backend
 (kernels.attention_ops). A bf16 model, where the CPU multiplies bf16 natively (capability.py,
 or `native_bf16` given), gets its projections packed in bf16 panels and an exact bf16 greedy
-head (no screen: the screens are fp32 tricks), whose panels also give its decode-sized logits;
-no decode stack (that is fp32). The runner then asks it for a decode step's inputs
-(`decode_inputs`), the step's hidden states (`forward`), greedy tokens (`greedy_tokens`), logits
-(`compute_logits`) and the sampler's argmax (`argmax_rows`).
+head (no screen: the screens are fp32 tricks), whose panels also give its decode-sized logits,
+and over a bf16 KV cache the decode stack in its bf16 form. The runner then asks it for a decode
+step's inputs (`decode_inputs`), the step's hidden states (`forward`), greedy tokens
+(`greedy_tokens`), logits (`compute_logits`) and the sampler's argmax (`argmax_rows`).
 """
 
 from __future__ import annotations
@@ -86,9 +86,9 @@ class CpuFastPath:
     ) -> None:
         """Lay out and pack `model`'s weights for the CPU (the module docstring) and pack the
         decode stack over `kv_caches` where it serves (None: no decode stack). A bf16 model gets
-        bf16 panels and a bf16 greedy head where native_bf16 (else its weights stay as loaded
-        and its steps run through the model, plain torch), never the decode stack; an fp32
-        model over a bf16 KV cache gets no decode stack either."""
+        bf16 panels, a bf16 greedy head and, over a bf16 KV cache, the decode stack where
+        native_bf16 (else its weights stay as loaded and its steps run through the model, plain
+        torch); an fp32 model over a bf16 KV cache gets no decode stack."""
         self._model = model
         for module in model.modules():
             if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
@@ -100,7 +100,7 @@ class CpuFastPath:
             self._packed_lm_head = lm_head.packed_logits_weight(weight)
         elif weight.dtype == torch.bfloat16:
             self._greedy_head = GreedyHead.for_weight(weight, self.huge, self.native_bf16)
-        if kv_caches is not None and weight.dtype == torch.float32:
+        if kv_caches is not None:
             self._pack_decode_stack(model, kv_caches)
 
     def _pack_projections(self, model: nn.Module) -> None:
@@ -117,8 +117,9 @@ class CpuFastPath:
     def _pack_decode_stack(self, model: nn.Module, kv_caches) -> bool:
         """Let decode steps run the whole decoder in one C call, over these KV caches: only
         where the layers' kernels are the ones the stack runs (the `cpu` attention backend, this
-        path's elementwise ops, every projection packed, no q/k norm), so its hidden states
-        are theirs to the bit. Returns whether it serves."""
+        path's elementwise ops, every projection packed, no q/k norm), so an fp32 model's
+        hidden states are theirs to the bit (a bf16 model's within bf16 rounding: fp32 inside
+        the step). Returns whether it serves."""
         attentions = [layer.self_attn for layer in model.model.layers]
         projections = [
             p
@@ -139,8 +140,8 @@ class CpuFastPath:
         )  # fmt: skip
         layers = [
             StackLayer(
-                layer.input_layernorm.weight.data,
-                layer.post_attention_layernorm.weight.data,
+                layer.input_layernorm.weight.data.float(),
+                layer.post_attention_layernorm.weight.data.float(),
                 layer.self_attn.qkv_proj.panel.panels,
                 layer.self_attn.o_proj.panel.panels,
                 layer.mlp.gate_up_proj.panel.panels,
@@ -153,9 +154,9 @@ class CpuFastPath:
         tables = (model.rotary.cos, model.rotary.sin)
         try:
             self._stack = DecodeStack(
-                self.lib, shape, embed, tables, model.model.norm.weight.data, layers
+                self.lib, shape, embed, tables, model.model.norm.weight.data.float(), layers
             )
-        except ValueError:  # a tensor not fp32 or not contiguous
+        except ValueError:  # a tensor not of the model's dtypes or not contiguous
             return False
         self._stack_caches = kv_caches
         return True
