@@ -97,3 +97,14 @@ def test_packed_linear_sends_bf16_decode_rows_to_the_panels_and_others_to_torch(
     out = packed(small)
     assert calls == [16] and out.dtype == torch.bfloat16
     assert (out.double() - exact(small, linear.weight)).abs().max() < 0.1
+
+
+def test_the_bf16_panels_run_on_vdpbf16ps_where_the_cpu_has_avx512_bf16():
+    """The library is built for this CPU (-march=native): its AVX512-BF16 products, else the
+    widened FMA loop."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            has = any("avx512_bf16" in line.split() for line in f if line.startswith("flags"))
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    assert bindings.load().panel_bf16_native() == int(has)
