@@ -186,9 +186,9 @@ def served_both_ways(runner, rids: list[str], warmup: int, steps: int) -> list[d
 def head_both_ways(runner, rows: int, repeat: int) -> list[dict]:
     """Mean ms of the LM head and greedy sampling over `rows` hidden states: behind the int8
     screen (served where the CPU has AMX), behind the bf16 screen (served where it has bf16
-    arithmetic but no AMX), the fused fp32 head alone, and unfused; each where this machine has
-    it, alternated so that all see the same machine. Every way must give the unfused way's
-    tokens (random hidden states: no ties)."""
+    arithmetic but no AMX), the fused fp32 head alone (a bf16 model: the fused bf16 head), and
+    unfused; each where this machine has it, alternated so that all see the same machine. Every
+    way must give the unfused way's tokens (random hidden states: no ties)."""
     import torch
 
     from actorserve.kernels.cpu.attention import argmax_rows
@@ -196,12 +196,12 @@ def head_both_ways(runner, rows: int, repeat: int) -> list[dict]:
     from actorserve.kernels.cpu.screened_head_int8 import Int8ScreenedHead
 
     model, compute_logits = runner.model, runner.compute_logits
-    hidden = torch.randn(rows, model.config.hidden_size)
+    weight = model.lm_head_weight()
+    hidden = torch.randn(rows, model.config.hidden_size, dtype=weight.dtype)
     served = runner.fast_path.greedy_head
     exact = getattr(served, "exact", served)
     ways = {}
-    if exact is not None:
-        weight = model.lm_head_weight()
+    if exact is not None and weight.dtype == torch.float32:
         screens = {
             "int8 screen + exact fp32 (screened_head_int8.py)": Int8ScreenedHead,
             "bf16 screen + exact fp32 (screened_head.py)": ScreenedGreedyHead,
@@ -211,6 +211,8 @@ def head_both_ways(runner, rows: int, repeat: int) -> list[dict]:
             if head is not None:
                 ways[name] = head
         ways["fused fp32 (cpu_panel_gemm.c)"] = exact
+    elif exact is not None:
+        ways["fused bf16 (cpu_panel_gemm_bf16.c)"] = exact
     ways["GEMM + argmax_rows"] = lambda h: argmax_rows(compute_logits(h))
     tokens = ways["GEMM + argmax_rows"](hidden)
     for name, way in ways.items():

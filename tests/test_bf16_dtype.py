@@ -1,7 +1,8 @@
 """The Worker's dtypes (actors/worker/dtypes.py): `dtype auto` keeps a bf16 checkpoint where the
 device runs bf16 natively and upcasts elsewhere, an fp32 checkpoint stays fp32, the KV cache
-follows kv_cache_dtype; and the CPU fast path, fp32-only, serves no step of a bf16 model (nor
-the decode stack over a bf16 cache)."""
+follows kv_cache_dtype; and the CPU fast path serves no step of a bf16 model where the CPU
+lacks native bf16 (nor the decode stack over a bf16 cache). Where it has it:
+test_cpu_fast_path_bf16.py."""
 
 from __future__ import annotations
 
@@ -111,9 +112,9 @@ def _run(cache: PagedCache) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
-def test_the_fast_path_serves_no_step_of_a_bf16_model(kv_dtype):
+def test_the_fast_path_serves_no_step_of_a_bf16_model_without_native_bf16(kv_dtype):
     path = ensure_checkpoint("demo-bf16")
-    fast = CpuFastPath(bindings.load())
+    fast = CpuFastPath(bindings.load(), native_bf16=False)
     model, cache = _bf16_model(path, fast, kv_dtype)
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
     assert all(m.weight.is_contiguous() for m in model.modules() if isinstance(m, nn.Linear))

@@ -123,9 +123,9 @@ def test_a_new_step_with_other_metadata_is_not_served_the_old_layout(attention):
         )
 
 
-def test_half_precision_falls_back_to_the_torch_path(monkeypatch):
+def test_half_precision_with_prefill_chunks_falls_back_to_the_torch_path(monkeypatch):
     def no_c(*args):
-        raise AssertionError("the C kernels are fp32 only")
+        raise AssertionError("steps with prefill chunks read a bf16 cache in torch")
 
     monkeypatch.setattr(bindings, "paged_attention", no_c)
     batch = make_batch([1, 1, 5], [9, 40, 5], dtype=torch.bfloat16)

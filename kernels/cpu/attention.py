@@ -1,9 +1,11 @@
 """Paged attention for serving on CPU (the `cpu` backend): the reference's semantics
 (kernels/reference.py). Where the machine has a C compiler, every row goes to the C kernels, which
 read K/V straight from the cache blocks: decodes to csrc/cpu_decode.c, prefill chunks to
-csrc/cpu_prefill.c. Otherwise the
-torch path below, built from torch's fused CPU attention (`scaled_dot_product_attention`,
-flash-style, GQA without copying K/V per query head), serves.
+csrc/cpu_prefill.c. A bf16 cache is read by the decode kernel alone (widening each element to
+fp32): steps of decodes only go to it, steps with prefill chunks (few, and bound by their
+products) to the torch path. Otherwise the torch path below, built from torch's fused CPU
+attention (`scaled_dot_product_attention`, flash-style, GQA without copying K/V per query head),
+serves.
 
 What costs on CPU is memory traffic, not FLOPs: every decode reads its whole context. So, on
 the torch path:
@@ -119,18 +121,23 @@ class CpuAttention:
         return self._layout
 
     def _native(self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
-        """The C kernels fill every row (decodes, then prefill chunks), or None when the inputs
-        do not suit them."""
-        tensors = (q, k_cache, v_cache)
-        if self.native is None or any(t.dtype != torch.float32 for t in tensors):
+        """The C kernels fill every row (decodes, then prefill chunks) in fp32, or None when the
+        inputs do not suit them: a cache neither fp32 nor bf16, or bf16 with prefill chunks."""
+        if self.native is None or q.dtype not in (torch.float32, torch.bfloat16):
             return None
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             return None
+        decodes_only = q.shape[0] == seq_lens.shape[0]  # one token per sequence
+        if k_cache.dtype == v_cache.dtype == torch.bfloat16:
+            if not decodes_only:
+                return None
+        elif k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
+            return None
         meta = [t.to(torch.int32).contiguous() for t in (block_tables, seq_lens, query_start_loc)]
-        q = q.contiguous()
+        q = q.to(torch.float32).contiguous()
         out = torch.empty_like(q)  # contiguous, as the kernels write it
         bindings.paged_attention(self.native, "decode", q, k_cache, v_cache, *meta, scale, out)
-        if q.shape[0] != seq_lens.shape[0]:  # not one token per sequence: prefill chunks too
+        if not decodes_only:
             bindings.paged_attention(self.native, "prefill", q, k_cache, v_cache, *meta, scale, out)
         return out
 
@@ -146,10 +153,10 @@ class CpuAttention:
     ) -> torch.Tensor:
         """Same contract as kernels.reference.paged_attention. A cache in a wider dtype than q
         (an fp32 KV cache under a bf16 model) is attended in the cache's dtype, the result
-        rounded to q's."""
+        rounded to q's; the C kernels attend in fp32 whatever the dtypes."""
         work = torch.promote_types(q.dtype, k_cache.dtype)
         meta = (block_tables, seq_lens, query_start_loc, scale)
-        out = self._native(q.to(work), k_cache, v_cache, *meta)
+        out = self._native(q, k_cache, v_cache, *meta)
         if out is None:
             out = self._torch_path(q.to(work), k_cache, v_cache, *meta)
         return out.to(q.dtype)
@@ -207,9 +214,11 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """kernels.reference.store_kv's contract; in C (csrc/cpu_store_kv.c) for fp32 caches."""
+    """kernels.reference.store_kv's contract; in C (csrc/cpu_store_kv.c) where the rows and the
+    caches are all fp32 or all bf16."""
     tensors = (k, v, k_cache, v_cache)
-    fits = all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    fits = k.dtype in (torch.float32, torch.bfloat16)
+    fits = fits and all(t.dtype == k.dtype and t.device.type == "cpu" for t in tensors)
     fits = fits and k_cache.is_contiguous() and v_cache.is_contiguous()
     fits = fits and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
     fits = fits and k.shape[1:] == v.shape[1:] == k_cache.shape[2:]  # the rows the C copies

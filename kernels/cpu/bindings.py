@@ -34,7 +34,7 @@ def load() -> ctypes.CDLL | None:
         log.warning("CPU kernels in C unavailable (%s): using the torch paths", exc)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for attention in (lib.decode_attention, lib.prefill_attention):
+    for attention in (lib.decode_attention, lib.decode_attention_bf16, lib.prefill_attention):
         attention.restype = ctypes.c_int
         attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr] + [i64] * 5
         attention.argtypes += [ctypes.c_float, ptr]
@@ -54,10 +54,18 @@ def load() -> ctypes.CDLL | None:
     lib.panel_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
     lib.panel_width.restype = i64
     lib.panel_width.argtypes = []
+    lib.panel_linear_bf16.restype = ctypes.c_int
+    lib.panel_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr]
+    lib.greedy_head_bf16.restype = ctypes.c_int
+    lib.greedy_head_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
+    for width in (lib.panel_width_bf16, lib.panel_bf16_native):
+        width.restype = i64
+        width.argtypes = []
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
-    lib.store_kv.restype = ctypes.c_int
-    lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
+    for store in (lib.store_kv, lib.store_kv_bf16):
+        store.restype = ctypes.c_int
+        store.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
     lib.silu_mul.restype = None
     lib.silu_mul.argtypes = [ptr, i64, i64, ptr]
     lib.rope.restype = None
@@ -93,8 +101,12 @@ def paged_attention(
     query token (cpu_decode.c); rows="prefill": sequences computing a chunk of more than one
     token, causal over the cache (cpu_prefill.c).
 
-    Takes fp32 CPU tensors; q, out, caches contiguous; the int32 metadata contiguous."""
-    function = {"decode": lib.decode_attention, "prefill": lib.prefill_attention}[rows]
+    Takes fp32 CPU tensors (for rows="decode" the caches may be bf16); q, out, caches
+    contiguous; the int32 metadata contiguous."""
+    if rows == "decode" and k_cache.dtype == torch.bfloat16:
+        function = lib.decode_attention_bf16
+    else:
+        function = {"decode": lib.decode_attention, "prefill": lib.prefill_attention}[rows]
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     status = function(
         q.data_ptr(),
@@ -138,6 +150,44 @@ def pack_panels(lib: ctypes.CDLL, weight: torch.Tensor, huge: bool = True) -> to
     return panels.copy_(padded.view(-1, width, cols).transpose(1, 2))
 
 
+def pack_panels_bf16(lib: ctypes.CDLL, weight: torch.Tensor, huge: bool = True) -> torch.Tensor:
+    """A bf16 weight [N, K] (any layout) -> the panels cpu_panel_gemm_bf16.c reads, as int32
+    pairs [ceil(N / NR), ceil(K / 2), NR]: pair (i, j) of panel p holds weight[p * NR + j, 2i] in
+    its low half and weight[p * NR + j, 2i + 1] in its high half, zero past N and K (NR: the
+    library's bf16 width); on huge pages where `huge`."""
+    width = lib.panel_width_bf16()
+    rows, cols = weight.shape
+    padded = torch.zeros(-(-rows // width) * width, -(-cols // 2) * 2, dtype=torch.bfloat16)
+    padded[:rows, :cols] = weight
+    pairs = padded.view(torch.int32)  # little-endian: element 2i is the low half
+    shape = (pairs.shape[0] // width, pairs.shape[1], width)
+    panels = huge_pages.empty(shape, torch.int32, huge)
+    return panels.copy_(pairs.view(-1, width, pairs.shape[1]).transpose(1, 2))
+
+
+def panel_linear_bf16(
+    lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """x [M, K] bf16 (rows may be strided, columns contiguous), panels from pack_panels_bf16 of
+    a weight [n, K] -> x @ weight.T [M, n] in `dtype`: bf16 (rounded to nearest even) or fp32
+    (see cpu_panel_gemm_bf16.c)."""
+    out = torch.empty(x.shape[0], n, dtype=dtype)
+    wide = dtype == torch.float32
+    status = lib.panel_linear_bf16(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        x.stride(0),
+        panels.data_ptr(),
+        n,
+        out.data_ptr() if wide else None,
+        None if wide else out.data_ptr(),
+    )
+    if status != 0:
+        raise MemoryError("panel_linear_bf16 could not allocate its buffer")
+    return out
+
+
 def panel_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] fp32 (rows may be strided, columns contiguous), panels from pack_panels of a
     weight [n, K] -> x @ weight.T [M, n] (see cpu_panel_gemm.c)."""
@@ -155,9 +205,11 @@ def greedy_head(
 ) -> torch.Tensor:
     """hidden [N, H] fp32 (rows may be strided, columns contiguous), panels from pack_panels
     -> [N] int64: (hidden @ weight.T).max(dim=-1).indices, the logits never written (see
-    cpu_panel_gemm.c)."""
+    cpu_panel_gemm.c). bf16 hidden with panels from pack_panels_bf16: the same over fp32 sums of
+    the bf16 products (cpu_panel_gemm_bf16.c)."""
     out = torch.empty(hidden.shape[0], dtype=torch.int64)
-    status = lib.greedy_head(
+    function = lib.greedy_head_bf16 if hidden.dtype == torch.bfloat16 else lib.greedy_head
+    status = function(
         hidden.data_ptr(),
         hidden.shape[0],
         hidden.shape[1],
@@ -300,9 +352,10 @@ def store_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """k, v [T, Hkv, D] fp32 (each token's Hkv x D contiguous), caches contiguous, slot_mapping
-    [T] int64 contiguous; as kernels.reference.store_kv."""
+    [T] int64 contiguous; as kernels.reference.store_kv. Or all four bf16."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    status = lib.store_kv(
+    function = lib.store_kv_bf16 if k_cache.dtype == torch.bfloat16 else lib.store_kv
+    status = function(
         k.data_ptr(),
         k.stride(0),
         v.data_ptr(),

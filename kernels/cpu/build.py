@@ -10,8 +10,9 @@ and a wheel both build from the files they ship (pyproject.toml's package-data).
 
 What each source holds: cpu_decode.c and cpu_prefill.c (decode and prefill attention reading the
 paged cache directly, with cpu_attention.h), cpu_store_kv.c (writing a step's K/V into it),
-cpu_argmax.c (greedy sampling's argmax), cpu_panel_gemm.c (decode-sized products against weights
-packed in panels: the projections, and the LM head with that argmax fused), cpu_elementwise.c
+cpu_argmax.c (greedy sampling's argmax), cpu_panel_gemm.c and cpu_panel_gemm_bf16.c (decode-sized
+products against fp32 or bf16 weights packed in panels: the projections, and the LM head with
+that argmax fused; their shared loop in cpu_panel.h and cpu_panel_loop.h), cpu_elementwise.c
 (RMSNorm with its residual add, SiLU-and-multiply, RoPE), cpu_decode_stack.c (a whole decode step
 through those kernels in one call), cpu_step_inputs.c (a decode step's flat inputs), cpu_screen.c
 and cpu_screen_int8.c (greedy tokens behind a bf16 or an AMX int8 screen); cpu_vec.h and
@@ -37,6 +38,7 @@ SOURCES = tuple(
         "cpu_prefill.c",
         "cpu_argmax.c",
         "cpu_panel_gemm.c",
+        "cpu_panel_gemm_bf16.c",
         "cpu_elementwise.c",
         "cpu_store_kv.c",
         "cpu_decode_stack.c",
@@ -45,7 +47,10 @@ SOURCES = tuple(
         "cpu_screen_int8.c",
     )
 )
-HEADERS = (CSRC / "cpu_vec.h", CSRC / "cpu_kernels.h", CSRC / "cpu_attention.h")
+HEADERS = tuple(
+    CSRC / name
+    for name in ("cpu_vec.h", "cpu_kernels.h", "cpu_attention.h", "cpu_panel.h", "cpu_panel_loop.h")
+)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm")
 CACHE_ENV = "ACTORSERVE_KERNEL_CACHE"
 

@@ -1,11 +1,15 @@
 """A whole decode step of the decoder in one C call (csrc/cpu_decode_stack.c): embedding, every
 layer and the final norm, with no Python between the kernels.
 
-The kernels are those the model's layers call one at a time on CPU when the fast path serves
-them (panels, C elementwise ops, the `cpu` attention backend), in the same order, so the hidden
-states are the same to the bit. What it saves is the Python between them: a decode step streams
-the KV cache and the weights through the caches, and each of the dozens of calls of the
-layer-by-layer path then runs on a cold interpreter.
+For an fp32 model the kernels are those the model's layers call one at a time on CPU when the
+fast path serves them (panels, C elementwise ops, the `cpu` attention backend), in the same
+order, so the hidden states are the same to the bit. A bf16 model (bf16 embedding, bf16 panels
+and KV caches) keeps fp32 activations inside the step, rounding each projection's input and the
+new K/V to bf16: close to its layer-by-layer steps, not the same bits.
+
+What it saves is the Python between the kernels: a decode step streams the KV cache and the
+weights through the caches, and each of the dozens of calls of the layer-by-layer path then runs
+on a cold interpreter.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ class _Model(ctypes.Structure):
     _fields_ = [
         *((name, _i64) for name in (
             "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
-            "num_blocks", "block_size", "max_position", "vocab",
+            "num_blocks", "block_size", "max_position", "vocab", "bf16",
         )),
         ("eps", _f32),
         ("scale", _f32),
@@ -44,8 +48,9 @@ class _Model(ctypes.Structure):
 
 
 class StackLayer(NamedTuple):
-    """One decoder layer's tensors: norm weights [hidden], projections as packed panels
-    (bindings.pack_panels: qkv rows q, k, v heads; gate_up rows gate, up), its KV cache."""
+    """One decoder layer's tensors: norm weights [hidden] fp32, projections as packed panels
+    (bindings.pack_panels, or pack_panels_bf16 for a bf16 model: qkv rows q, k, v heads; gate_up
+    rows gate, up), its KV cache (bf16 for a bf16 model)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -87,9 +92,19 @@ class DecodeStack:
         final_norm: torch.Tensor,
         layers: list[StackLayer],
     ):
+        """embed [vocab, hidden] fp32 (with fp32 panels and caches) or bf16 (with bf16 panels
+        and caches); rope tables and norm weights fp32; all contiguous (else ValueError)."""
         tensors = [embed, *rope_tables, final_norm, *(t for layer in layers for t in layer)]
-        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
-            raise ValueError("the decode stack takes contiguous fp32 tensors")
+        bf16 = embed.dtype == torch.bfloat16
+        weights = (torch.int32 if bf16 else torch.float32,) * 4
+        caches = (torch.bfloat16 if bf16 else torch.float32,) * 2
+        expected = [embed.dtype] + [torch.float32] * 3
+        expected += [d for _ in layers for d in (torch.float32,) * 2 + weights + caches]
+        if embed.dtype not in (torch.float32, torch.bfloat16) or not all(
+            t.dtype == d and t.is_contiguous() for t, d in zip(tensors, expected, strict=True)
+        ):
+            raise ValueError("the decode stack takes contiguous tensors of the model's dtypes")
+        self._dtype = embed.dtype
         self._lib = lib
         self._tensors = tensors  # keeps what the structs point at alive
         self._layers = (_Layer * len(layers))(
@@ -99,7 +114,8 @@ class DecodeStack:
         self._model = _Model(
             len(layers), shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim,
             shape.intermediate, k_cache.shape[0], k_cache.shape[1], rope_tables[0].shape[0],
-            embed.shape[0], shape.eps, shape.scale, embed.data_ptr(), rope_tables[0].data_ptr(),
+            embed.shape[0], int(bf16), shape.eps, shape.scale, embed.data_ptr(),
+            rope_tables[0].data_ptr(),
             rope_tables[1].data_ptr(), final_norm.data_ptr(), self._layers,
         )  # fmt: skip
         self._hidden = shape.hidden
@@ -113,9 +129,9 @@ class DecodeStack:
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
     ) -> torch.Tensor | None:
-        """One token per sequence -> hidden states [T, hidden] after the final norm; None when
-        the step's tensors are not in the layout the kernel reads (the caller's torch path
-        serves then)."""
+        """One token per sequence -> hidden states [T, hidden] after the final norm, in the
+        model's dtype; None when the step's tensors are not in the layout the kernel reads (the
+        caller's torch path serves then)."""
         tokens = input_ids.shape[0]
         int64 = (input_ids, positions, slot_mapping)
         int32 = (block_tables, seq_lens, query_start_loc)
@@ -143,4 +159,4 @@ class DecodeStack:
         if status != 0:
             error, message = _ERRORS[status]
             raise error(message)
-        return hidden
+        return hidden.to(self._dtype)

@@ -7,9 +7,12 @@ column-major (MKL's small-batch products read W.T row by row) and, where it has 
 Linear replaced by a PackedLinear with the weight also in panels (panels.py); copies of the LM
 head (lm_head.py); the decode stack over the KV caches (decode_stack.py). Its elementwise ops
 (`elementwise`) are given to the model when it is built, and its attention is the `cpu` backend
-(kernels.attention_ops). The runner then asks it for a decode step's inputs (`decode_inputs`),
-the step's hidden states (`forward`), greedy tokens (`greedy_tokens`), logits
-(`compute_logits`) and the sampler's argmax (`argmax_rows`).
+(kernels.attention_ops). A bf16 model, where the CPU multiplies bf16 natively (capability.py,
+or `native_bf16` given), gets its projections packed in bf16 panels and an exact bf16 greedy
+head (no screen: the screens are fp32 tricks), whose panels also give its decode-sized logits,
+and over a bf16 KV cache the decode stack in its bf16 form. The runner then asks it for a decode
+step's inputs (`decode_inputs`), the step's hidden states (`forward`), greedy tokens
+(`greedy_tokens`), logits (`compute_logits`) and the sampler's argmax (`argmax_rows`).
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from torch import nn
 from ..elementwise import ElementwiseOps
 from . import bindings, huge_pages, lm_head
 from .attention import argmax_rows
+from .capability import cpu_has_bf16
 from .decode_inputs import DecodeInputs
 from .decode_stack import DecodeStack, StackLayer, StackShape
 from .elementwise import C_ELEMENTWISE
-from .panels import PANEL_ROWS, PackedLinear, PanelLinear
+from .panels import PANEL_ROWS, GreedyHead, PackedLinear, PanelLinear
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +41,19 @@ class CpuFastPath:
     docstring). Until `prepare`, nothing of a model is held and `forward` / `greedy_tokens`
     serve no step."""
 
-    def __init__(self, lib: ctypes.CDLL, screen: str = "auto", huge: bool = True) -> None:
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        screen: str = "auto",
+        huge: bool = True,
+        native_bf16: bool | None = None,
+    ) -> None:
+        """native_bf16: whether bf16 weights get the bf16 kernels (None: where the CPU has bf16
+        products, capability.cpu_has_bf16)."""
         self.lib = lib
         self.screen = screen
         self.huge = huge
+        self.native_bf16 = cpu_has_bf16() if native_bf16 is None else native_bf16
         self.elementwise: ElementwiseOps = C_ELEMENTWISE
         self._model: nn.Module | None = None
         self._greedy_head = None  # GreedyHead | ScreenedHead, see lm_head.greedy_head
@@ -72,10 +85,10 @@ class CpuFastPath:
         self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None
     ) -> None:
         """Lay out and pack `model`'s weights for the CPU (the module docstring) and pack the
-        decode stack over `kv_caches` where it serves (None: no decode stack). Everything here
-        is fp32-only: a bf16 model's weights stay as loaded, with no packed projection, fused
-        head or decode stack, and its steps run through the model (plain torch); an fp32 model
-        over a bf16 KV cache gets no decode stack."""
+        decode stack over `kv_caches` where it serves (None: no decode stack). A bf16 model gets
+        bf16 panels, a bf16 greedy head and, over a bf16 KV cache, the decode stack where
+        native_bf16 (else its weights stay as loaded and its steps run through the model, plain
+        torch); an fp32 model over a bf16 KV cache gets no decode stack."""
         self._model = model
         for module in model.modules():
             if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
@@ -85,6 +98,8 @@ class CpuFastPath:
         if weight.device.type == "cpu" and weight.dtype == torch.float32:
             self._greedy_head = lm_head.greedy_head(weight, self.screen, self.huge)
             self._packed_lm_head = lm_head.packed_logits_weight(weight)
+        elif weight.dtype == torch.bfloat16:
+            self._greedy_head = GreedyHead.for_weight(weight, self.huge, self.native_bf16)
         if kv_caches is not None:
             self._pack_decode_stack(model, kv_caches)
 
@@ -95,15 +110,16 @@ class CpuFastPath:
                 for name, child in list(parent.named_children()):
                     if type(child) is not nn.Linear or child.bias is not None:
                         continue
-                    panel = PanelLinear.for_weight(child.weight, self.huge)
+                    panel = PanelLinear.for_weight(child.weight, self.huge, self.native_bf16)
                     if panel is not None:
                         setattr(parent, name, PackedLinear(child, panel))
 
     def _pack_decode_stack(self, model: nn.Module, kv_caches) -> bool:
         """Let decode steps run the whole decoder in one C call, over these KV caches: only
         where the layers' kernels are the ones the stack runs (the `cpu` attention backend, this
-        path's elementwise ops, every projection packed, no q/k norm), so its hidden states
-        are theirs to the bit. Returns whether it serves."""
+        path's elementwise ops, every projection packed, no q/k norm), so an fp32 model's
+        hidden states are theirs to the bit (a bf16 model's within bf16 rounding: fp32 inside
+        the step). Returns whether it serves."""
         attentions = [layer.self_attn for layer in model.model.layers]
         projections = [
             p
@@ -124,8 +140,8 @@ class CpuFastPath:
         )  # fmt: skip
         layers = [
             StackLayer(
-                layer.input_layernorm.weight.data,
-                layer.post_attention_layernorm.weight.data,
+                layer.input_layernorm.weight.data.float(),
+                layer.post_attention_layernorm.weight.data.float(),
                 layer.self_attn.qkv_proj.panel.panels,
                 layer.self_attn.o_proj.panel.panels,
                 layer.mlp.gate_up_proj.panel.panels,
@@ -138,9 +154,9 @@ class CpuFastPath:
         tables = (model.rotary.cos, model.rotary.sin)
         try:
             self._stack = DecodeStack(
-                self.lib, shape, embed, tables, model.model.norm.weight.data, layers
+                self.lib, shape, embed, tables, model.model.norm.weight.data.float(), layers
             )
-        except ValueError:  # a tensor not fp32 or not contiguous
+        except ValueError:  # a tensor not of the model's dtypes or not contiguous
             return False
         self._stack_caches = kv_caches
         return True
@@ -171,18 +187,28 @@ class CpuFastPath:
         return self._stack(input_ids, positions, *meta)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [N, hidden] -> [N] int64, the first maximum of each row's logits (what
-        compute_logits then an argmax gives), or None where no fused head serves."""
-        if self._greedy_head is None or hidden.dtype != torch.float32:
+        """hidden [N, hidden] in the head's dtype -> [N] int64, the first maximum of each row's
+        logits (what compute_logits then an argmax gives), or None where no fused head
+        serves."""
+        if self._greedy_head is None or hidden.dtype != self._model.lm_head_weight().dtype:
             return None
         return self._greedy_head(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's compute_logits: hidden [N, hidden] -> logits [N, vocab] float32."""
+        """The model's compute_logits: hidden [N, hidden] -> logits [N, vocab] float32. A bf16
+        head's decode-sized rows come from its greedy head's panels: the fp32 sums that
+        greedy_tokens compares, not rounded to bf16 first."""
         packed = self._packed_lm_head
         rows = hidden.shape[0]
         if packed is not None and rows >= lm_head.PACKED_MIN_ROWS and hidden.dtype == torch.float32:
             return lm_head.packed_logits(hidden, packed)
+        head = self._greedy_head
+        if (
+            isinstance(head, GreedyHead)
+            and head.dtype == torch.bfloat16 == hidden.dtype
+            and rows <= PANEL_ROWS
+        ):
+            return head.logits(hidden)
         return self._model.compute_logits(hidden)
 
     @staticmethod

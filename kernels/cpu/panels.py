@@ -1,6 +1,11 @@
-"""Weights packed once into the panels csrc/cpu_panel_gemm.c reads, for fp32 products with
-decode-sized batches on CPU: the projections (PanelLinear, served through PackedLinear, which
-takes a Linear's place in the model) and the LM head with greedy sampling fused in (GreedyHead).
+"""Weights packed once into the panels csrc/cpu_panel_gemm.c (fp32) and csrc/cpu_panel_gemm_bf16.c
+(bf16) read, for products with decode-sized batches on CPU: the projections (PanelLinear, served
+through PackedLinear, which takes a Linear's place in the model) and the LM head with greedy
+sampling fused in (GreedyHead).
+
+bf16 weights are packed only where the CPU multiplies bf16 in hardware (capability.py; a test
+may say so instead): elsewhere the C kernel would widen every pair to fp32, no faster than
+torch, so a bf16 model there keeps its plain Linears.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import bindings
+from .capability import cpu_has_bf16
 
 PANEL_ROWS = 128  # at most this many rows, a projection uses its packed panels
 
@@ -19,50 +25,75 @@ _Packed = TypeVar("_Packed", bound="PanelWeight")
 
 
 class PanelWeight:
-    """A weight [N, K] (any layout) packed once into the panels csrc/cpu_panel_gemm.c reads.
-    Holds the copy (on huge pages where `huge`: every decode step streams it)."""
+    """A weight [N, K] (any layout), fp32 or bf16, packed once into the panels of its dtype's
+    kernel. Holds the copy (on huge pages where `huge`: every decode step streams it)."""
 
     def __init__(self, lib, weight: torch.Tensor, huge: bool = True):
         self._lib = lib
         self.out_features = weight.shape[0]
-        self.panels = bindings.pack_panels(lib, weight, huge)
+        self.dtype = weight.dtype
+        pack = bindings.pack_panels_bf16 if self.dtype == torch.bfloat16 else bindings.pack_panels
+        self.panels = pack(lib, weight, huge)
 
     @classmethod
-    def for_weight(cls: type[_Packed], weight: torch.Tensor, huge: bool = True) -> _Packed | None:
-        """None where it cannot serve (not fp32 on CPU, no C compiler)."""
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+    def for_weight(
+        cls: type[_Packed], weight: torch.Tensor, huge: bool = True, bf16: bool | None = None
+    ) -> _Packed | None:
+        """None where it cannot serve: not a CPU matrix, no C compiler, not fp32 nor bf16, or
+        bf16 where `bf16` is False (None: where the CPU has bf16 products, cpu_has_bf16)."""
+        if weight.device.type != "cpu" or weight.dim() != 2:
+            return None
+        if weight.dtype == torch.bfloat16:
+            if not (cpu_has_bf16() if bf16 is None else bf16):
+                return None
+        elif weight.dtype != torch.float32:
             return None
         lib = bindings.load()
         return cls(lib, weight, huge) if lib is not None else None
 
-    @staticmethod
-    def _rows(x: torch.Tensor) -> torch.Tensor:
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x in the weight's dtype, its columns contiguous (what the kernels read)."""
+        x = x.to(self.dtype)
         return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class GreedyHead(PanelWeight):
-    """An fp32 LM head with greedy sampling fused in: hidden rows -> the first maximum of each
-    row's logits, which are never written (no pass to write them and none to read them back)."""
+    """An LM head with greedy sampling fused in: hidden rows -> the first maximum of each row's
+    logits, which are never written (no pass to write them and none to read them back). A bf16
+    head takes the maximum over fp32 sums of its bf16 products, the values `logits` returns."""
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] fp32 -> [N] int64 token ids."""
+        """hidden [N, H] (the head's dtype) -> [N] int64 token ids."""
         return bindings.greedy_head(self._lib, self._rows(hidden), self.panels, self.out_features)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, vocab] fp32, the values __call__ compares: a bf16 head
+        only (an fp32 head's logits are oneDNN's, lm_head.packed_logits)."""
+        rows = self._rows(hidden)
+        return bindings.panel_linear_bf16(
+            self._lib, rows, self.panels, self.out_features, torch.float32
+        )
 
 
 class PanelLinear(PanelWeight):
     """x @ weight.T for decode-sized x (tens of rows): the kernel streams the next panel from
     memory while it computes this one, where MKL stalls on weights the step's K/V stream has
-    evicted from cache."""
+    evicted from cache (and torch's bf16 product reads the weight far below memory speed)."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] fp32 -> [M, N]."""
+        """x [M, K] in the weight's dtype -> [M, N] in it (bf16 rounded to nearest even)."""
+        if self.dtype == torch.bfloat16:
+            return bindings.panel_linear_bf16(
+                self._lib, self._rows(x), self.panels, self.out_features, torch.bfloat16
+            )
         return bindings.panel_linear(self._lib, self._rows(x), self.panels, self.out_features)
 
 
 class PackedLinear(nn.Linear):
-    """A bias-free Linear that keeps its packed panels: batches of at most PANEL_ROWS fp32 rows
-    (decode steps) go through PanelLinear, larger ones (prefill) through F.linear as before.
-    Shares the original's weight Parameter, so names, shapes and values stay the same."""
+    """A bias-free Linear that keeps its packed panels: batches of at most PANEL_ROWS rows in the
+    panels' dtype (decode steps) go through PanelLinear, larger ones (prefill) and other dtypes
+    through F.linear as before. Shares the original's weight Parameter, so names, shapes and
+    values stay the same."""
 
     def __init__(self, linear: nn.Linear, panel: PanelLinear) -> None:
         nn.Module.__init__(self)
@@ -72,6 +103,6 @@ class PackedLinear(nn.Linear):
         self.panel = panel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= PANEL_ROWS and x.dtype == torch.float32:
+        if x.dim() == 2 and x.shape[0] <= PANEL_ROWS and x.dtype == self.panel.dtype:
             return self.panel(x)
         return F.linear(x, self.weight)

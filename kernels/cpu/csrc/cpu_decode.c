@@ -1,6 +1,8 @@
-/* Decode attention over the paged KV cache on CPU, fp32: the rows of a step whose sequence has
- * exactly one query token. Semantics of kernels/reference.py (paged_attention), restricted to
- * those rows; rows of longer query chunks are left untouched for the caller.
+/* Decode attention over the paged KV cache on CPU, fp32 q and out, an fp32 or a bf16 cache (each
+ * K/V element widened to fp32 as it is loaded: sums and softmax in fp32): the rows of a step
+ * whose sequence has exactly one query token. Semantics of kernels/reference.py
+ * (paged_attention), restricted to those rows; rows of longer query chunks are left untouched
+ * for the caller.
  *
  * Why C: a decode reads its whole context once per layer, so the cost is memory traffic. The torch
  * path gathers K/V block by block into a padded copy and then reads the copy (three passes over
@@ -10,7 +12,8 @@
  *
  * Shapes (T tokens, B sequences, NB cache blocks, BS block size, D head_dim, G = Hq / Hkv):
  *   q, out            [T, Hq, D]  contiguous
- *   k_cache, v_cache  [NB, BS, Hkv, D] contiguous
+ *   k_cache, v_cache  [NB, BS, Hkv, D] contiguous, fp32 (decode_attention) or bf16
+ *                     (decode_attention_bf16)
  *   block_tables      [B, table_stride] int32
  *   seq_lens          [B] int32 (context length including this step's token)
  *   query_start_loc   [B + 1] int32
@@ -39,28 +42,30 @@
 
 /* Query heads [kvh * g, (kvh + nkv) * g) of one sequence against its `len` cached tokens; q and
  * out point at the first of them; scores holds nkv * g * ROW(len) floats. Inlined into copies
- * with D fixed (fully unrolled vector loops) and one for any D. */
-INLINE void attend(const float *restrict q, const float *restrict k_cache,
-                   const float *restrict v_cache, const int32_t *restrict table, int64_t len,
+ * with D fixed (fully unrolled vector loops) and one for any D, for each cache dtype (bf16). */
+INLINE void attend(const float *restrict q, const void *restrict k_cache,
+                   const void *restrict v_cache, const int32_t *restrict table, int64_t len,
                    int64_t bs, int64_t hkv, int64_t kvh, int64_t nkv, int64_t d, int64_t g,
-                   float scale, float *restrict scores, float *restrict out) {
+                   float scale, float *restrict scores, float *restrict out, int bf16) {
     const int64_t token_stride = hkv * d, block_stride = bs * token_stride;
+    const int64_t block_bytes = block_stride * (bf16 ? 2 : 4);
     const int64_t heads = nkv * g, row = ROW(len);
     const int64_t nblocks = (len + bs - 1) / bs;
     /* pass 1: scores[head][pos]; a chunk's lanes past its tokens are overwritten by the next
      * chunk or lie past len */
     for (int64_t b = 0; b < nblocks; b++) {
-        if (b + 1 < nblocks) touch_pages(k_cache + (int64_t)table[b + 1] * block_stride,
-                                         block_stride);
+        if (b + 1 < nblocks)
+            touch_pages(kv_at(k_cache, (int64_t)table[b + 1] * block_stride, bf16), block_bytes);
         const int64_t start = b * bs, in_block = len - start < bs ? len - start : bs;
-        const float *k = k_cache + (int64_t)table[b] * block_stride + kvh * d;
+        const void *k = kv_at(k_cache, (int64_t)table[b] * block_stride + kvh * d, bf16);
         for (int64_t c = 0; c < in_block; c += VW) {
             const int n = in_block - c < VW ? (int)(in_block - c) : VW;
             for (int64_t h = 0; h < nkv; h++)
                 for (int64_t j = 0; j < g; j++)
                     store(scores + (h * g + j) * row + start + c,
-                          chunk_scores(q + (h * g + j) * d, k + c * token_stride + h * d, n,
-                                       token_stride, d, scale));
+                          chunk_scores(q + (h * g + j) * d,
+                                       kv_at(k, c * token_stride + h * d, bf16), n, token_stride,
+                                       d, scale, bf16));
         }
     }
     /* softmax: scores become exp(score - max); inv keeps 1 / their sum */
@@ -71,32 +76,36 @@ INLINE void attend(const float *restrict q, const float *restrict k_cache,
     }
     /* pass 2: out = the exp-weighted sum of V, then / the sum */
     for (int64_t b = 0; b < nblocks; b++) {
-        if (b + 1 < nblocks) touch_pages(v_cache + (int64_t)table[b + 1] * block_stride,
-                                         block_stride);
+        if (b + 1 < nblocks)
+            touch_pages(kv_at(v_cache, (int64_t)table[b + 1] * block_stride, bf16), block_bytes);
         const int64_t start = b * bs, in_block = len - start < bs ? len - start : bs;
-        const float *v = v_cache + (int64_t)table[b] * block_stride + kvh * d;
+        const void *v = kv_at(v_cache, (int64_t)table[b] * block_stride + kvh * d, bf16);
         for (int64_t c = 0; c < in_block; c += VW) {
             const int n = in_block - c < VW ? (int)(in_block - c) : VW;
             for (int64_t h = 0; h < nkv; h++)
                 for (int64_t j = 0; j < g; j++)
                     weighted_add(out + (h * g + j) * d, scores + (h * g + j) * row + start + c,
-                                 v + c * token_stride + h * d, n, token_stride, d);
+                                 kv_at(v, c * token_stride + h * d, bf16), n, token_stride, d,
+                                 bf16);
         }
     }
     for (int64_t j = 0; j < heads; j++) scale_head(out + j * d, d, inv[j]);
 }
 
 #define ATTEND_ARGS                                                                           \
-    const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,    \
+    const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,      \
         const int32_t *restrict table, int64_t len, int64_t bs, int64_t hkv, int64_t kvh,     \
         int64_t nkv, int64_t d, int64_t g, float scale, float *restrict scores,               \
         float *restrict out
-#define ATTEND_CALL(D)                                                                        \
-    attend(q, k_cache, v_cache, table, len, bs, hkv, kvh, nkv, D, g, scale, scores, out)
+#define ATTEND_CALL(D, BF16)                                                                  \
+    attend(q, k_cache, v_cache, table, len, bs, hkv, kvh, nkv, D, g, scale, scores, out, BF16)
 
-static void attend_64(ATTEND_ARGS) { (void)d; ATTEND_CALL(64); }
-static void attend_128(ATTEND_ARGS) { (void)d; ATTEND_CALL(128); }
-static void attend_any(ATTEND_ARGS) { ATTEND_CALL(d); }
+static void attend_64(ATTEND_ARGS) { (void)d; ATTEND_CALL(64, 0); }
+static void attend_128(ATTEND_ARGS) { (void)d; ATTEND_CALL(128, 0); }
+static void attend_any(ATTEND_ARGS) { ATTEND_CALL(d, 0); }
+static void attend_64_bf16(ATTEND_ARGS) { (void)d; ATTEND_CALL(64, 1); }
+static void attend_128_bf16(ATTEND_ARGS) { (void)d; ATTEND_CALL(128, 1); }
+static void attend_any_bf16(ATTEND_ARGS) { ATTEND_CALL(d, 1); }
 
 /* The decode rows' work items in the order they are handed out: (context length << 32 | row),
  * longest first; *count of them, *max_len the longest context. NULL when it cannot allocate. */
@@ -116,8 +125,9 @@ int64_t *decode_order(const int32_t *seq_lens, const int32_t *query_start_loc, i
 
 /* Decode attention shared out among the threads of the enclosing parallel region, every one of
  * which calls this (an orphaned `omp for`, dynamic, in `order`: decode_order), ending with them
- * all at its barrier. Returns 0, or -1 when this thread's scratch could not be allocated. */
-int decode_attention_team(const float *q, const float *k_cache, const float *v_cache,
+ * all at its barrier. The caches are bf16 where kv_bf16, else fp32. Returns 0, or -1 when this
+ * thread's scratch could not be allocated. */
+int decode_attention_team(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
                           const int32_t *block_tables, int64_t table_stride,
                           const int32_t *seq_lens, const int32_t *query_start_loc,
                           int64_t block_size, int64_t num_q_heads, int64_t num_kv_heads,
@@ -134,6 +144,10 @@ int decode_attention_team(const float *q, const float *k_cache, const float *v_c
     const int64_t split = count >= 4 * threads ? 1 : num_kv_heads, nkv = num_kv_heads / split;
     void (*attend_d)(ATTEND_ARGS) =
         head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
+    if (kv_bf16)
+        attend_d = head_dim == 64    ? attend_64_bf16
+                   : head_dim == 128 ? attend_128_bf16
+                                     : attend_any_bf16;
     float *scores = malloc(sizeof(float) * nkv * group * ROW(max_len));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < count * split; item++) {
@@ -149,22 +163,43 @@ int decode_attention_team(const float *q, const float *k_cache, const float *v_c
     return failed ? -1 : 0;
 }
 
-/* Returns 0, or -1 when a scratch buffer could not be allocated (out is then incomplete). */
-int decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-                     const int32_t *query_start_loc, int64_t num_seqs, int64_t block_size,
-                     int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                     float *out) {
+/* Every decode row over fp32 (kv_bf16 = 0) or bf16 caches. Returns 0, or -1 when a scratch
+ * buffer could not be allocated (out is then incomplete). */
+static int decode(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
+                  const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                  const int32_t *query_start_loc, int64_t num_seqs, int64_t block_size,
+                  int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                  float *out) {
     int64_t count, max_len;
     int64_t *order = decode_order(seq_lens, query_start_loc, num_seqs, &count, &max_len);
     if (order == NULL) return -1;
     int failed = 0;
     if (count > 0) { /* else a step of prefill chunks only: no thread team, no scratch */
 #pragma omp parallel reduction(| : failed)
-        failed = decode_attention_team(q, k_cache, v_cache, block_tables, table_stride, seq_lens,
-                                       query_start_loc, block_size, num_q_heads, num_kv_heads,
-                                       head_dim, scale, order, count, max_len, out) != 0;
+        failed = decode_attention_team(q, k_cache, v_cache, kv_bf16, block_tables, table_stride,
+                                       seq_lens, query_start_loc, block_size, num_q_heads,
+                                       num_kv_heads, head_dim, scale, order, count, max_len,
+                                       out) != 0;
     }
     free(order);
     return failed ? -1 : 0;
+}
+
+int decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                     const int32_t *query_start_loc, int64_t num_seqs, int64_t block_size,
+                     int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                     float *out) {
+    return decode(q, k_cache, v_cache, 0, block_tables, table_stride, seq_lens, query_start_loc,
+                  num_seqs, block_size, num_q_heads, num_kv_heads, head_dim, scale, out);
+}
+
+/* decode_attention over bf16 caches (their bits), q and out fp32. */
+int decode_attention_bf16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                          const int32_t *block_tables, int64_t table_stride,
+                          const int32_t *seq_lens, const int32_t *query_start_loc,
+                          int64_t num_seqs, int64_t block_size, int64_t num_q_heads,
+                          int64_t num_kv_heads, int64_t head_dim, float scale, float *out) {
+    return decode(q, k_cache, v_cache, 1, block_tables, table_stride, seq_lens, query_start_loc,
+                  num_seqs, block_size, num_q_heads, num_kv_heads, head_dim, scale, out);
 }

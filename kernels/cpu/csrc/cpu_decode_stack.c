@@ -1,7 +1,11 @@
-/* A whole decode step of a Llama-family decoder on CPU, fp32, in one call: the embedding, every
- * layer and the final norm, through the same kernels the model's torch code calls one by one
- * (panel_linear, rms_norm, rope, store_kv, decode_attention, silu_mul), in the same order on the
- * same values, so the hidden states are the same to the bit.
+/* A whole decode step of a Llama-family decoder on CPU in one call: the embedding, every layer
+ * and the final norm. An fp32 model goes through the same kernels the model's torch code calls
+ * one by one (panel_linear, rms_norm, rope, store_kv, decode_attention, silu_mul), in the same
+ * order on the same values, so the hidden states are the same to the bit. A bf16 model (`bf16`:
+ * bf16 embedding, panels from pack_panels_bf16, bf16 KV caches; norm weights and rope tables in
+ * fp32) keeps its activations in fp32 inside the step: each projection's input rounded to bf16
+ * for panel_linear_bf16 (fp32 out), the new K/V rounded to bf16 into the cache, attention over
+ * the bf16 cache in fp32 -- close to the model's own bf16 steps, not the same bits.
  *
  * Why: a decode step streams the KV cache and the weights through the caches (tens of MB), and
  * each of the dozens of Python calls between the kernels then runs on a cold interpreter, several
@@ -27,26 +31,30 @@
 #endif
 
 #include "cpu_kernels.h"
+#include "cpu_vec.h"
 
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
-    const float *qkv, *o, *gate_up, *down; /* panels (pack_panels) */
-    float *k_cache, *v_cache;              /* [num_blocks, block_size, Hkv, D] */
+    const void *qkv, *o, *gate_up, *down; /* panels (pack_panels, or pack_panels_bf16) */
+    void *k_cache, *v_cache;              /* [num_blocks, block_size, Hkv, D], fp32 or bf16 */
 } stack_layer;
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int64_t num_blocks, block_size, max_position, vocab;
+    int64_t num_blocks, block_size, max_position, vocab, bf16;
     float eps, scale;
-    const float *embed;      /* [vocab, hidden] */
+    const void *embed;       /* [vocab, hidden], fp32 or bf16 */
     const float *cos, *sin;  /* [max_position, D] rope tables (RotaryEmbedding's layout) */
     const float *final_norm; /* [hidden] */
     const stack_layer *layers;
 } stack_model;
 
-/* The step's activations, T rows each (see the per-layer steps above). */
+/* The step's activations, T rows each (see the per-layer steps above); for a bf16 model also
+ * room for a row of bf16 (a projection's input, or a token's new K and V) per row. */
 typedef struct {
     float *h, *res, *x, *qkv, *rot, *q, *attn, *gate_up, *act, *cos, *sin;
+    uint16_t *rounded;
+    int64_t rounded_width;
 } stack_buffers;
 
 /* One allocation for all of them (free(b->h)); -1 when it cannot allocate. */
@@ -62,7 +70,46 @@ static int alloc_buffers(const stack_model *m, int64_t T, stack_buffers *b) {
     float *p = malloc(sizeof(float) * (total > 0 ? total : 1));
     if (p == NULL) return -1;
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) *slots[i] = p, p += sizes[i];
+    b->rounded = NULL, b->rounded_width = 0;
+    if (m->bf16) {
+        int64_t width = H > hq * D ? H : hq * D;
+        width = width > I ? width : I;
+        width = width > 2 * hkv * D ? width : 2 * hkv * D;
+        b->rounded_width = width;
+        b->rounded = malloc(sizeof(uint16_t) * (T * width > 0 ? T * width : 1));
+        if (b->rounded == NULL) {
+            free(b->h);
+            return -1;
+        }
+    }
     return 0;
+}
+
+static void free_buffers(stack_buffers *b) { free(b->h), free(b->rounded); }
+
+/* n rows of `width` floats (rows `stride` apart) -> bf16 rows `width` apart in out, rounded to
+ * nearest even. */
+static void round_rows(const float *x, int64_t stride, int64_t n, int64_t width, uint16_t *out) {
+    const int64_t wv = width - width % VW;
+    for (int64_t t = 0; t < n; t++) {
+        const float *src = x + t * stride;
+        uint16_t *dst = out + t * width;
+        for (int64_t i = 0; i < wv; i += VW) *(vh_mem *)(dst + i) = round_bf16(load(src + i));
+        for (int64_t i = wv; i < width; i++) {
+            float tail[VW] = {0};
+            tail[0] = src[i];
+            dst[i] = round_bf16(load(tail))[0];
+        }
+    }
+}
+
+/* out [n, N] fp32 = a [n, k] (rows k apart) @ W.T, W packed for the model's dtype; `rounded`
+ * (room for n rows of k bf16) holds a rounded for a bf16 model. Returns 0 or -1. */
+static int project(const stack_model *m, const float *a, int64_t n, int64_t k,
+                   const void *panels, int64_t N, float *out, uint16_t *rounded) {
+    if (!m->bf16) return panel_linear(a, n, k, k, panels, N, out);
+    round_rows(a, k, n, k, rounded);
+    return panel_linear_bf16(rounded, n, k, k, panels, N, out, NULL);
 }
 
 /* Rows [r0, r1): the embedding and their rope table rows. */
@@ -70,7 +117,12 @@ static void embed_rows(const stack_model *m, const stack_buffers *b, int64_t r0,
                        const int64_t *ids, const int64_t *positions) {
     const int64_t H = m->hidden, D = m->head_dim;
     for (int64_t t = r0; t < r1; t++) {
-        memcpy(b->h + t * H, m->embed + ids[t] * H, sizeof(float) * H);
+        if (m->bf16) {
+            const uint16_t *row = (const uint16_t *)m->embed + ids[t] * H;
+            for (int64_t i = 0; i < H; i++) b->h[t * H + i] = bf16_to_float(row[i]);
+        } else {
+            memcpy(b->h + t * H, (const float *)m->embed + ids[t] * H, sizeof(float) * H);
+        }
         memcpy(b->cos + t * D, m->cos + positions[t] * D, sizeof(float) * D);
         memcpy(b->sin + t * D, m->sin + positions[t] * D, sizeof(float) * D);
     }
@@ -86,17 +138,27 @@ static int before_attention(const stack_model *m, int64_t l, const stack_buffers
     const int64_t qkv_width = (hq + 2 * hkv) * D, rot_width = (hq + hkv) * D;
     float *h = b->h + r0 * H, *res = b->res + r0 * H, *x = b->x + r0 * H;
     float *qkv = b->qkv + r0 * qkv_width, *rot = b->rot + r0 * rot_width;
+    uint16_t *rounded = b->rounded + r0 * b->rounded_width;
     if (l == 0) {
         rms_norm(h, H, NULL, layer->input_norm, m->eps, n, H, x, NULL);
         memcpy(res, h, sizeof(float) * n * H);
     } else {
         rms_norm(h, H, res, layer->input_norm, m->eps, n, H, x, res);
     }
-    if (panel_linear(x, n, H, H, layer->qkv, qkv_width, qkv) != 0) return -1;
+    if (project(m, x, n, H, layer->qkv, qkv_width, qkv, rounded) != 0) return -1;
     rope(qkv, qkv_width, D, n, hq + hkv, D, b->cos + r0 * D, b->sin + r0 * D, rot);
-    if (store_kv(rot + hq * D, rot_width, qkv + rot_width, qkv_width, slots + r0, n, hkv * D,
-                 m->num_blocks * m->block_size, layer->k_cache, layer->v_cache) != 0)
-        return -2;
+    const int64_t kv = hkv * D, capacity = m->num_blocks * m->block_size;
+    int stored;
+    if (m->bf16) { /* each row: its k, then its v, rounded */
+        round_rows(rot + hq * D, rot_width, n, kv, rounded);
+        round_rows(qkv + rot_width, qkv_width, n, kv, rounded + n * kv);
+        stored = store_kv_bf16(rounded, kv, rounded + n * kv, kv, slots + r0, n, kv, capacity,
+                               layer->k_cache, layer->v_cache);
+    } else {
+        stored = store_kv(rot + hq * D, rot_width, qkv + rot_width, qkv_width, slots + r0, n, kv,
+                          capacity, layer->k_cache, layer->v_cache);
+    }
+    if (stored != 0) return -2;
     for (int64_t t = 0; t < n; t++)
         memcpy(b->q + (r0 + t) * hq * D, rot + t * rot_width, sizeof(float) * hq * D);
     return 0;
@@ -110,11 +172,12 @@ static int after_attention(const stack_model *m, int64_t l, const stack_buffers 
     const int64_t hqd = m->num_heads * m->head_dim;
     float *h = b->h + r0 * H, *res = b->res + r0 * H, *x = b->x + r0 * H;
     float *gate_up = b->gate_up + r0 * 2 * I, *act = b->act + r0 * I;
-    if (panel_linear(b->attn + r0 * hqd, n, hqd, hqd, layer->o, H, h) != 0) return -1;
+    uint16_t *rounded = b->rounded + r0 * b->rounded_width;
+    if (project(m, b->attn + r0 * hqd, n, hqd, layer->o, H, h, rounded) != 0) return -1;
     rms_norm(h, H, res, layer->post_norm, m->eps, n, H, x, res);
-    if (panel_linear(x, n, H, H, layer->gate_up, 2 * I, gate_up) != 0) return -1;
+    if (project(m, x, n, H, layer->gate_up, 2 * I, gate_up, rounded) != 0) return -1;
     silu_mul(gate_up, n, I, act);
-    return panel_linear(act, n, I, I, layer->down, H, h) != 0 ? -1 : 0;
+    return project(m, act, n, I, layer->down, H, h, rounded) != 0 ? -1 : 0;
 }
 
 /* Rows [r0, r1) through every layer and the final norm into hidden. In a team (`order`: the
@@ -137,10 +200,15 @@ static int run_layers(const stack_model *m, const stack_buffers *b, int64_t T, i
         int failed = 0;
         if (order != NULL) {
 #pragma omp barrier
-            failed = decode_attention_team(b->q, layer->k_cache, layer->v_cache, block_tables,
+            failed = decode_attention_team(b->q, layer->k_cache, layer->v_cache, (int)m->bf16,
+                                           block_tables,
                                            table_stride, seq_lens, query_start_loc,
                                            m->block_size, hq, hkv, D, m->scale, order, count,
                                            max_len, b->attn);
+        } else if (status == 0 && m->bf16) {
+            failed = decode_attention_bf16(b->q, layer->k_cache, layer->v_cache, block_tables,
+                                           table_stride, seq_lens, query_start_loc, T,
+                                           m->block_size, hq, hkv, D, m->scale, b->attn);
         } else if (status == 0) {
             failed = decode_attention(b->q, layer->k_cache, layer->v_cache, block_tables,
                                       table_stride, seq_lens, query_start_loc, T, m->block_size,
@@ -203,13 +271,13 @@ int decode_stack(const stack_model *m, int64_t tokens, const int64_t *ids,
     if (parts < 2 || T < MIN_ROWS_PER_THREAD * parts) {
         status = run_layers(m, &b, T, 0, T, ids, positions, slots, block_tables, table_stride,
                             seq_lens, query_start_loc, NULL, 0, 0, hidden);
-        free(b.h);
+        free_buffers(&b);
         return status;
     }
     int64_t count, max_len, bounds[parts + 1];
     int64_t *order = decode_order(seq_lens, query_start_loc, T, &count, &max_len);
     if (order == NULL) {
-        free(b.h);
+        free_buffers(&b);
         return -1;
     }
     split_rows(T, parts, bounds);
@@ -225,6 +293,6 @@ int decode_stack(const stack_model *m, int64_t tokens, const int64_t *ids,
                             seq_lens, query_start_loc, order, count, max_len, hidden);
     }
     free(order);
-    free(b.h);
+    free_buffers(&b);
     return status;
 }

@@ -197,7 +197,7 @@ INLINE void attend_tile(const float *restrict q, int64_t q_stride, const float *
     /* pass 1: scores[r g + j][pos] for pos < first + r + 1 (and the rest of its last chunk) */
     for (int64_t b = 0; b < nblocks; b++) {
         if (b + 1 < nblocks) touch_pages(k_cache + (int64_t)table[b + 1] * block_stride,
-                                         block_stride);
+                                         block_stride * (int64_t)sizeof(float));
         const int64_t start = b * bs, in_block = len - start < bs ? len - start : bs;
         const float *k = k_cache + (int64_t)table[b] * block_stride + kvh * d;
         for (int64_t c = 0; c < in_block; c += VW) {
@@ -219,7 +219,7 @@ INLINE void attend_tile(const float *restrict q, int64_t q_stride, const float *
             for (; r < rows; r++)
                 for (int64_t j = 0; j < g; j++)
                     store(scores + (r * g + j) * row + pos,
-                          chunk_scores(q + r * q_stride + j * d, kc, n, token_stride, d, scale));
+                          chunk_scores(q + r * q_stride + j * d, kc, n, token_stride, d, scale, 0));
         }
     }
     float inv[rows * g];
@@ -231,7 +231,7 @@ INLINE void attend_tile(const float *restrict q, int64_t q_stride, const float *
     /* pass 2: out = the exp-weighted sum of V over each row's own positions, then / the sum */
     for (int64_t b = 0; b < nblocks; b++) {
         if (b + 1 < nblocks) touch_pages(v_cache + (int64_t)table[b + 1] * block_stride,
-                                         block_stride);
+                                         block_stride * (int64_t)sizeof(float));
         const int64_t start = b * bs, in_block = len - start < bs ? len - start : bs;
         const float *v = v_cache + (int64_t)table[b] * block_stride + kvh * d;
         for (int64_t c = 0; c < in_block; c += VW) {
@@ -252,7 +252,7 @@ INLINE void attend_tile(const float *restrict q, int64_t q_stride, const float *
                 }
                 for (int64_t j = 0; j < g; j++)
                     weighted_add(out + r * q_stride + j * d, scores + (r * g + j) * row + pos, vc,
-                                 m, token_stride, d);
+                                 m, token_stride, d, 0);
             }
         }
     }

@@ -23,25 +23,6 @@
 
 #define MAX_CANDIDATES 512
 
-typedef uint16_t vh_mem __attribute__((vector_size(2 * VW), aligned(2), may_alias));
-
-/* VW bf16 values -> fp32 (a bf16 is the top half of an fp32) */
-INLINE vf load_bf16(const uint16_t *p) {
-#if VW == 16
-    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16);
-#elif VW == 8 && defined(__AVX2__)
-    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p)), 16);
-#else
-    const vi wide = __builtin_convertvector(*(const vh_mem *)p, vi);
-    return (vf)(wide << 16);
-#endif
-}
-
-INLINE float bf16_to_float(uint16_t x) {
-    union { uint32_t u; float f; } v = {(uint32_t)x << 16};
-    return v.f;
-}
-
 /* One step of a lane's chain as cpu_vec.h's fmadd computes it: fused where the target has FMA. */
 INLINE float fmadd1(float a, float b, float c) {
 #if VW == 16 || (VW == 8 && defined(__FMA__))

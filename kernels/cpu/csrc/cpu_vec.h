@@ -1,6 +1,7 @@
-/* Vector helpers shared by the CPU kernels (cpu_decode.c, cpu_elementwise.c, cpu_argmax.c): GCC vector
- * extensions of VW floats (16 with AVX-512, 8 with AVX, else 4) plus FMA / max intrinsics where
- * the target has them; -std=c11 keeps gcc from contracting a * b + c by itself. */
+/* Vector helpers shared by the CPU kernels (cpu_decode.c, cpu_elementwise.c, cpu_argmax.c, ...):
+ * GCC vector extensions of VW floats (16 with AVX-512, 8 with AVX, else 4) plus FMA / max
+ * intrinsics where the target has them, and bf16 loads and rounding; -std=c11 keeps gcc from
+ * contracting a * b + c by itself. */
 #ifndef ACTORSERVE_CPU_VEC_H
 #define ACTORSERVE_CPU_VEC_H
 
@@ -24,6 +25,10 @@ typedef float vf __attribute__((vector_size(4 * VW)));
 typedef int32_t vi __attribute__((vector_size(4 * VW)));
 /* The same vector in memory at any float alignment, aliasing anything. */
 typedef float vf_mem __attribute__((vector_size(4 * VW), aligned(4), may_alias));
+/* VW bf16 (their bits), and VW 32-bit lanes to widen them into. */
+typedef uint32_t vu __attribute__((vector_size(4 * VW)));
+typedef uint16_t vh __attribute__((vector_size(2 * VW)));
+typedef uint16_t vh_mem __attribute__((vector_size(2 * VW), aligned(2), may_alias));
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -31,6 +36,31 @@ INLINE vf load(const float *p) { return *(const vf_mem *)p; }
 INLINE void store(float *p, vf v) { *(vf_mem *)p = v; }
 INLINE vf splat(float x) { return x - (vf){0}; } /* exact for every x, unlike (vf){0} + x */
 INLINE vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+/* VW bf16 at p, widened to fp32 (exact: a bf16 is the high half of its fp32). */
+INLINE vf load_bf16(const uint16_t *p) {
+#if VW == 16
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16);
+#elif VW == 8 && defined(__AVX2__)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p)), 16);
+#else
+    return (vf)(__builtin_convertvector(*(const vh_mem *)p, vu) << 16);
+#endif
+}
+
+/* One bf16 (its bits) -> fp32, exactly. */
+INLINE float bf16_to_float(uint16_t x) {
+    union { uint32_t u; float f; } v = {(uint32_t)x << 16};
+    return v.f;
+}
+
+/* fp32 -> bf16 bits, rounded to nearest even (NaN stays a quiet NaN): c10's conversion. */
+INLINE vh round_bf16(vf x) {
+    const vu u = (vu)x;
+    const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const vu nan = (vu)(x != x);
+    return __builtin_convertvector((rounded & ~nan) | (0x7fc0u & nan), vh);
+}
 
 INLINE vf vmax(vf a, vf b) {
 #if VW == 16
