@@ -1,6 +1,6 @@
 """Train the demo checkpoint that writes Python: a small Llama on the standard library's sources.
 
-    python scripts/train_demo.py [--steps 300] [--out weights/demo-python]
+    python scripts/train_demo.py [--steps 440] [--out weights/demo-python]
 
 Reproduces the committed `weights/demo-python` (what `bash scripts/demo.sh` serves): a Llama of
 ~11M parameters (hidden 256, 4 layers, tied embeddings, so 8.2M of them are the embedding) with
@@ -161,11 +161,11 @@ def greedy(model, tokenizer, prompt: str, tokens: int = 48) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=checkpoints.TRAINED_DEMO)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=440)
     parser.add_argument("--batch", type=int, default=8, help="windows per step")
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--lr", type=float, default=1.5e-3)
+    parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # the machine's other cores belong to others
