@@ -15,7 +15,8 @@ Serving the demo checkpoint (a small Llama trained on Python's standard library)
 another shell:
   open http://$host:$port/  (the playground)
   curl -s http://$host:$port/v1/completions -H 'Content-Type: application/json' \\
-       -d '{"model": "demo-python", "prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
+       -d '{"model": "demo-python", "prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0,
+            "repetition_penalty": 1.3}'
   .venv/bin/actorserve generate --address ipc://$PWD/.run/demo.sock --prompt "class Stack:"
 MSG
 mkdir -p .run

@@ -155,6 +155,7 @@ async def test_the_playground_streams_a_completion_into_the_page(gateway, tmp_pa
                 document.getElementById('prompt').value = {json.dumps(prompt)};
                 document.getElementById('max_tokens').value = '{max_tokens}';
                 document.getElementById('temperature').value = '0';
+                document.getElementById('repetition_penalty').value = '1';
                 document.getElementById('run').click();
             """)
             state = None
