@@ -54,6 +54,14 @@ PRETOKENIZE_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Trained, not random: the checkpoint `bash scripts/demo.sh` serves, committed in the repo and
+# reproduced by scripts/train_demo.py (a Llama that writes Python-looking text). Its kind name
+# resolves to the directory; it is never built here.
+TRAINED_DEMO_KIND = "demo-python"
+TRAINED_DEMO = REPO / "weights" / TRAINED_DEMO_KIND
+# stdlib folders the trained demo does not learn from: the test suite and the codec tables are
+# mostly data (and idlelib GUI code), and the demo should write library-style code
+DEMO_SKIPPED_DIRS = ("test", "tests", "encodings", "idlelib")
 _STAMP = "actorserve_checkpoint.json"
 _RESIDUAL_OUT = ("o_proj.weight", "down_proj.weight")  # projections that write the residual
 
@@ -154,9 +162,15 @@ def default_root() -> Path:
 
 
 def ensure_checkpoint(kind: str, root: Path | None = None) -> Path:
-    """The directory of checkpoint `kind` under `root`, built first when missing or stale."""
+    """The directory of checkpoint `kind` under `root`, built first when missing or stale; the
+    trained demo's is its committed directory (`root` does not apply)."""
+    if kind == TRAINED_DEMO_KIND:
+        if not (TRAINED_DEMO / "config.json").exists():
+            raise FileNotFoundError(f"{TRAINED_DEMO} is missing: run scripts/train_demo.py")
+        return TRAINED_DEMO
     if kind not in KINDS:
-        raise ValueError(f"unknown checkpoint kind {kind!r}; known: {', '.join(KINDS)}")
+        known = ", ".join([*KINDS, TRAINED_DEMO_KIND])
+        raise ValueError(f"unknown checkpoint kind {kind!r}; known: {known}")
     root = Path(root) if root is not None else default_root()
     tokenizer_dir = ensure_tokenizer(root)
     spec = dataclasses.asdict(KINDS[kind])
@@ -214,15 +228,17 @@ def _file_sha(tokenizer_dir: Path) -> str:
     return hashlib.sha256((tokenizer_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
 
 
+def stdlib_sources() -> list[tuple[str, Path]]:
+    """This interpreter's standard-library .py files as (relative path, path), sorted by path."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = (p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
+    return sorted((p.relative_to(stdlib).as_posix(), p) for p in files)
+
+
 def corpus(limit: int = CORPUS_BYTES) -> Iterator[str]:
     """Standard-library .py sources sorted by relative path, UTF-8 ones only, ~`limit` bytes."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        (p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts),
-        key=lambda p: p.relative_to(stdlib).as_posix(),
-    )
     total = 0
-    for path in files:
+    for _, path in stdlib_sources():
         try:
             data = path.read_bytes()
             text = data.decode("utf-8")
@@ -232,6 +248,23 @@ def corpus(limit: int = CORPUS_BYTES) -> Iterator[str]:
         total += len(data)
         if total >= limit:
             return
+
+
+def is_held_out(relative_path: str) -> bool:
+    """Whether a stdlib file is kept out of the trained demo's training set (~1 in 16, by a hash of
+    its relative path, so the split is the same on every run and machine with this stdlib)."""
+    return hashlib.sha256(relative_path.encode()).digest()[0] < 16
+
+
+def demo_sources(held_out: bool) -> list[tuple[str, Path]]:
+    """The stdlib files the trained demo learns from (or, held_out, is measured on), in path
+    order: every .py file outside DEMO_SKIPPED_DIRS on its side of `is_held_out`."""
+    return [
+        (relative, path)
+        for relative, path in stdlib_sources()
+        if is_held_out(relative) == held_out
+        and not any(part in DEMO_SKIPPED_DIRS for part in relative.split("/")[:-1])
+    ]
 
 
 def _build_tokenizer(out: Path) -> None:
@@ -319,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("kinds", nargs="+", metavar="KIND", choices=list(KINDS))
+    parser.add_argument("kinds", nargs="+", metavar="KIND", choices=[*KINDS, TRAINED_DEMO_KIND])
     parser.add_argument(
         "--root",
         type=Path,

@@ -23,6 +23,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import msgspec
 from fastapi.responses import Response
@@ -43,16 +44,19 @@ class Answer:
     at: float = field(default_factory=time.monotonic)  # when it was found out
 
 
-class RateLimited:
+T = TypeVar("T")
+
+
+class RateLimited(Generic[T]):
     """`check()`'s answer, run at most once per `interval_s` and never twice at once."""
 
-    def __init__(self, check: Callable[[], Awaitable[Answer]], interval_s: float):
+    def __init__(self, check: Callable[[], Awaitable[T]], interval_s: float):
         self.check = check
         self.interval_s = interval_s
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[T] | None = None
         self._started = -math.inf
 
-    async def get(self) -> Answer:
+    async def get(self) -> T:
         now = time.monotonic()
         stale = self._task is None or (self._task.done() and now - self._started >= self.interval_s)
         if stale:
@@ -70,7 +74,9 @@ class HealthChecks:
         self.liveness = RateLimited(self._liveness, settings.health_interval_s)
         self.readiness = RateLimited(self._readiness, settings.health_interval_s)
 
-    async def respond(self, check: RateLimited, draining: bool, authorized: bool) -> Response:
+    async def respond(
+        self, check: RateLimited[Answer], draining: bool, authorized: bool
+    ) -> Response:
         if draining:
             return json_response(
                 {"status": "draining", "error": "the server is shutting down"}, 503

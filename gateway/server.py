@@ -9,6 +9,8 @@
     GET  /ready                  readiness: one token through every actor, at most once per
                                  health_interval_s
     GET  /metrics                Prometheus text format
+    GET  /v1/stats               the engine's load now and over the last minutes, JSON (the
+                                 playground's charts; see live_stats.py)
 
 Every error is OpenAI's JSON error shape. Host, Origin (browsers, CORS) and the API key are
 checked in guards.py: with a key set, every route but the page, /health and /ready needs
@@ -37,6 +39,7 @@ from .connections import GatewayConfig
 from .errors import EngineError
 from .guards import add_guards, has_api_key
 from .health import HealthChecks
+from .live_stats import StatsHistory
 from .metrics import CONTENT_TYPE
 from .openai_errors import APIError
 from .openai_responses import ModelCard, ModelList, now
@@ -54,6 +57,9 @@ def create_app(client: AsyncClient, settings: GatewaySettings, chat) -> FastAPI:
     app = FastAPI(title="actorserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
     checks = HealthChecks(client, settings)
+    history = StatsHistory(
+        client, settings.model_id, settings.stats_interval_s, settings.stats_window_s
+    )
     add_guards(app, settings)
 
     @app.exception_handler(APIError)
@@ -113,6 +119,14 @@ def create_app(client: AsyncClient, settings: GatewaySettings, chat) -> FastAPI:
             log.warning("metrics: no engine stats this scrape: %s", exc)
             gateway.metrics.refresh(None)
         return Response(gateway.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/stats")
+    async def stats() -> Response:
+        try:
+            return json_response(await history.get())
+        except EngineError:  # its text may name the engine's address: not for HTTP callers
+            message = f"the engine did not answer a stats query within {history.timeout_s:g} s"
+            raise APIError(503, message, None, "unavailable") from None
 
     page = PLAYGROUND.read_text()  # read once, served as is
 

@@ -81,6 +81,12 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     health_interval_s: Annotated[
         float, Meta(description="/health and /ready ask the engine at most once per interval")
     ] = 5.0
+    stats_interval_s: Annotated[
+        float, Meta(description="/v1/stats asks the engine at most once per interval")
+    ] = 1.0
+    stats_window_s: Annotated[
+        float, Meta(description="how far back the history /v1/stats returns goes")
+    ] = 300.0
     allowed_origins: Annotated[
         list[str],
         Meta(
