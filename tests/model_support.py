@@ -146,3 +146,19 @@ def check_chunked_prefill_then_decode(
         assert_close(logits, ref[seq][:n])
         greedy = logits[len(prompt) - 1 :].argmax(-1).tolist()
         assert greedy == full[seq][len(prompt) : n + 1]
+
+
+def bf16_model(path, fast_path=None, kv_dtype: torch.dtype = torch.bfloat16):
+    """(model, cache): a bf16 checkpoint as the Worker builds it on CPU (the `cpu` attention
+    backend, the C elementwise ops), over a PagedCache in kv_dtype, prepared by `fast_path` (a
+    CpuFastPath) when one is given."""
+    from actorserve.actors.worker.loader import load_model
+    from actorserve.kernels import attention_ops
+    from actorserve.kernels.cpu.elementwise import C_ELEMENTWISE
+
+    model, config = load_model(path, "cpu", torch.bfloat16, attention_ops("cpu"), C_ELEMENTWISE)
+    cache = PagedCache(model, config, fast_path=fast_path)
+    cache.kv = [(k.to(kv_dtype), v.to(kv_dtype)) for k, v in cache.kv]
+    if fast_path is not None:
+        fast_path.prepare(model, cache.kv)
+    return model, cache

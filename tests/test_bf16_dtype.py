@@ -21,7 +21,7 @@ from actorserve.kernels.cpu import bindings, capability
 from actorserve.kernels.cpu.elementwise import C_ELEMENTWISE
 from actorserve.kernels.cpu.fast_path import CpuFastPath
 from actorserve.kernels.cpu.panels import PackedLinear
-from model_support import PagedCache, random_prompt, torch_threads
+from model_support import PagedCache, bf16_model, random_prompt, torch_threads
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 needs_bf16_cpu = pytest.mark.skipif(
@@ -89,17 +89,6 @@ def test_the_worker_serves_fp32_checkpoints_and_explicit_float32_in_fp32():
     assert _dtypes(_runner("demo-bf16", dtype="float32")) == (torch.float32, torch.float32)
 
 
-def _bf16_model(path, fast_path: CpuFastPath | None, kv_dtype: torch.dtype):
-    """Our bf16 model as the Worker builds it with the fast path (cpu attention, C elementwise
-    ops), prepared over a cache in kv_dtype when `fast_path` is given."""
-    model, config = load_model(path, "cpu", torch.bfloat16, attention_ops("cpu"), C_ELEMENTWISE)
-    cache = PagedCache(model, config, fast_path=fast_path)
-    cache.kv = [(k.to(kv_dtype), v.to(kv_dtype)) for k, v in cache.kv]
-    if fast_path is not None:
-        fast_path.prepare(model, cache.kv)
-    return model, cache
-
-
 def _run(cache: PagedCache) -> list[torch.Tensor]:
     """A prefill of two sequences, then three decode steps of both, greedy: every step's logits."""
     prompts = {"a": random_prompt(21, 1), "b": random_prompt(7, 2)}
@@ -115,14 +104,14 @@ def _run(cache: PagedCache) -> list[torch.Tensor]:
 def test_the_fast_path_serves_no_step_of_a_bf16_model_without_native_bf16(kv_dtype):
     path = ensure_checkpoint("demo-bf16")
     fast = CpuFastPath(bindings.load(), native_bf16=False)
-    model, cache = _bf16_model(path, fast, kv_dtype)
+    model, cache = bf16_model(path, fast, kv_dtype)
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
     assert all(m.weight.is_contiguous() for m in model.modules() if isinstance(m, nn.Linear))
     assert fast.greedy_head is None and not fast.serves_decode_stack
     hidden = torch.randn(3, model.config.hidden_size).bfloat16()
     assert fast.greedy_tokens(hidden) is None
     assert fast.forward(*cache.inputs({"x": [5]})) is None
-    _, plain = _bf16_model(path, None, kv_dtype)
+    _, plain = bf16_model(path, None, kv_dtype)
     got, expected = _run(cache), _run(plain)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 

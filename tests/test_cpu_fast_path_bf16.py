@@ -11,15 +11,12 @@ import pytest
 import torch
 
 from actorserve.actors.config import EngineConfig
-from actorserve.actors.worker.loader import load_model
 from actorserve.actors.worker.worker import build_runner
 from actorserve.checkpoints import ensure_checkpoint
-from actorserve.kernels import attention_ops
 from actorserve.kernels.cpu import bindings, capability
-from actorserve.kernels.cpu.elementwise import C_ELEMENTWISE
 from actorserve.kernels.cpu.fast_path import CpuFastPath
 from actorserve.kernels.cpu.panels import GreedyHead, PackedLinear
-from model_support import PagedCache, random_prompt, torch_threads
+from model_support import PagedCache, bf16_model, random_prompt, torch_threads
 
 KINDS = ["demo-bf16", "tiny-qwen3-bf16"]
 
@@ -31,16 +28,9 @@ def one_torch_thread():
         yield
 
 
-def bf16_model(kind: str, fast_path: CpuFastPath | None, kv_dtype=torch.bfloat16):
-    """(model, cache): the bf16 model as the Worker builds it with the fast path, prepared over
-    its cache when `fast_path` is given."""
-    path = ensure_checkpoint(kind)
-    model, config = load_model(path, "cpu", torch.bfloat16, attention_ops("cpu"), C_ELEMENTWISE)
-    cache = PagedCache(model, config, fast_path=fast_path)
-    cache.kv = [(k.to(kv_dtype), v.to(kv_dtype)) for k, v in cache.kv]
-    if fast_path is not None:
-        fast_path.prepare(model, cache.kv)
-    return model, cache
+def kind_model(kind: str, fast_path: CpuFastPath | None, kv_dtype=torch.bfloat16):
+    """bf16_model of a checkpoint kind."""
+    return bf16_model(ensure_checkpoint(kind), fast_path, kv_dtype)
 
 
 def projections(model) -> list:
@@ -55,7 +45,7 @@ def projections(model) -> list:
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_bf16_model_gets_bf16_panels_and_the_exact_bf16_head(kind):
     fast = CpuFastPath(bindings.load(), native_bf16=True)
-    model, _ = bf16_model(kind, fast)
+    model, _ = kind_model(kind, fast)
     assert all(isinstance(p, PackedLinear) for p in projections(model))
     assert all(p.panel.dtype == torch.bfloat16 for p in projections(model))
     assert type(fast.greedy_head) is GreedyHead and fast.greedy_head.dtype == torch.bfloat16
@@ -63,10 +53,10 @@ def test_a_bf16_model_gets_bf16_panels_and_the_exact_bf16_head(kind):
 
 def test_the_bf16_decode_stack_serves_over_a_bf16_cache_only():
     over_bf16 = CpuFastPath(bindings.load(), native_bf16=True)
-    bf16_model("demo-bf16", over_bf16, torch.bfloat16)
+    kind_model("demo-bf16", over_bf16, torch.bfloat16)
     assert over_bf16.serves_decode_stack
     over_fp32 = CpuFastPath(bindings.load(), native_bf16=True)
-    bf16_model("demo-bf16", over_fp32, torch.float32)
+    kind_model("demo-bf16", over_fp32, torch.float32)
     assert not over_fp32.serves_decode_stack
 
 
@@ -77,7 +67,7 @@ def test_native_bf16_defaults_to_what_the_cpu_has():
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_bf16_greedy_tokens_are_the_first_maximum_of_the_fast_paths_logits(rows):
     fast = CpuFastPath(bindings.load(), native_bf16=True)
-    model, _ = bf16_model("demo-bf16", fast)
+    model, _ = kind_model("demo-bf16", fast)
     torch.manual_seed(rows)
     hidden = torch.randn(rows, model.config.hidden_size).bfloat16()
     logits = fast.compute_logits(hidden)
@@ -109,7 +99,7 @@ def test_bf16_fast_path_steps_stay_within_bf16_noise_of_the_plain_model(kind, kv
     another order are not bit-equal, the model rounds its activations to bf16 between ops and
     the decode stack does not). Over a bf16 cache the decode stack serves the decode steps."""
     fast = CpuFastPath(bindings.load(), native_bf16=True)
-    _, fast_cache = bf16_model(kind, fast, kv_dtype)
+    _, fast_cache = kind_model(kind, fast, kv_dtype)
     stack_steps = []  # the steps the stack computed (it declines the prefill)
     if fast.serves_decode_stack:
         stack = fast._stack
@@ -120,7 +110,7 @@ def test_bf16_fast_path_steps_stay_within_bf16_noise_of_the_plain_model(kind, kv
             return hidden
 
         fast._stack = counted
-    _, plain_cache = bf16_model(kind, None, kv_dtype)
+    _, plain_cache = kind_model(kind, None, kv_dtype)
     expected_run = run(plain_cache)
     for got, expected in zip(run(fast_cache, expected_run), expected_run, strict=True):
         scale = expected.abs().amax(dim=-1, keepdim=True)
