@@ -21,7 +21,8 @@ projections run on their packed panels (kernels/cpu/panels.py), as served; with
 
 Decode attention reads every context's K/V once a layer, so it is also reported as bytes a step
 and the bandwidth they imply, next to a plain read of as many bytes from memory (not in cache),
-measured in the same run.
+measured in the same run. The served step is compared with its memory floor: the weights (in the
+model's dtype) and the step's K/V read once at that speed.
 Compare the step with bench_overhead.py's step period: the difference is what the other actors'
 CPU and the messages cost on this machine.
 """
@@ -252,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or bc.default_threads()
     torch.set_num_threads(threads)
     model_dir = bc.resolve_model(args.model)
-    vocab = bc.ModelShape.read(model_dir).vocab
+    shape = bc.ModelShape.read(model_dir)
+    vocab = shape.vocab
     workload = bc.make_workload(
         args.num_requests, args.seed, (16, args.max_prompt_len), (1, 1), vocab
     )
@@ -296,12 +298,21 @@ def main(argv: list[str] | None = None) -> int:
         head_rows = head_both_ways(runner, args.num_requests, args.steps)
     attention_s = timer.seconds["decode attention"] / args.steps
     mean_kv = statistics.fmean(kv_bytes)
+    read_gb_s = bc.streaming_read_gb_s(int(mean_kv))
     kv_row = {
         "table": "kv",
         "kv_mb_per_step": mean_kv / 1e6,
         "attention_gb_s": mean_kv / attention_s / 1e9,
-        "streaming_read_gb_s": bc.streaming_read_gb_s(int(mean_kv)),
+        "streaming_read_gb_s": read_gb_s,
     }
+    # The memory floor of a decode step: its weights (projections and LM head, in the model's
+    # dtype) and its K/V, each read once at the measured read speed.
+    weight_bytes = runner.model.lm_head_weight().element_size() * (
+        shape.layer_matmul_params + shape.lm_head_params
+    )
+    floor_ms = (weight_bytes + mean_kv) / (read_gb_s * 1e9) * 1e3
+    for row in served_rows:
+        row["floor_ms"], row["x_floor"] = floor_ms, row["ms"] / floor_ms
     label = bc.model_label(args.model)
     title = (
         f"The Worker's decode step alone, {label}, {args.num_requests} requests (mean of "
@@ -316,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                     bc.Column("streaming_read_gb_s", "reading as many bytes from memory, GB/s",
                               "{:.1f}")], ""),
         (served_rows, [bc.Column("way", "decode step"), ms,
-                       bc.Column("speedup", "x layer by layer", "{:.2f}")], ""),
+                       bc.Column("speedup", "x layer by layer", "{:.2f}"),
+                       bc.Column("floor_ms", "memory floor ms", "{:.2f}"),
+                       bc.Column("x_floor", "x floor", "{:.2f}")], ""),
         (head_rows, [bc.Column("way", "LM head + greedy sampling"), bc.Column("rows", "rows"), ms,
                      bc.Column("speedup", "x unfused", "{:.2f}")], ""),
     ]  # fmt: skip

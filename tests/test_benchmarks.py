@@ -48,6 +48,13 @@ def test_bench_step_times_every_op_once_and_within_the_step(llama_dir, tmp_path)
     served = {r["way"]: r for r in rows if r["table"] == "served"}
     assert set(served) == {"layer by layer", "decode stack (one C call, served)"}
     assert all(r["ms"] > 0 for r in served.values())
+    # each is compared with the step's memory floor: the fp32 weights and K/V read once
+    shape = bc.ModelShape.read(llama_dir)
+    weights_mb = 4 * (shape.layer_matmul_params + shape.lm_head_params) / 1e6
+    for r in served.values():
+        floor_ms = (weights_mb + kv["kv_mb_per_step"]) / (kv["streaming_read_gb_s"] * 1e3) * 1e3
+        assert r["floor_ms"] == pytest.approx(floor_ms, rel=1e-3)
+        assert r["x_floor"] == pytest.approx(r["ms"] / r["floor_ms"])
     heads = {r["way"]: r for r in rows if r["table"] == "head"}  # each gave the same tokens
     exact = {"fused fp32 (cpu_panel_gemm.c)", "GEMM + argmax_rows"}
     int8 = "int8 screen + exact fp32 (screened_head_int8.py)"  # where the CPU has AMX
