@@ -42,43 +42,49 @@ def incremental_detokenizer(tokenizer, prompt_token_ids: list[int]) -> Detokeniz
     return IncrementalDetokenizer(tokenizer, prompt_token_ids)
 
 
+def decoded_window(decode, tokens: list[int], start: int, read: int) -> tuple[str, str]:
+    """(the text of tokens[start:read], that of tokens[start:]): the new tokens' text is the
+    second past the first, decoded with `read - start` tokens of context before them."""
+    return (
+        decode(tokens[start:read], skip_special_tokens=True),
+        decode(tokens[start:], skip_special_tokens=True),
+    )
+
+
 class StreamDetokenizer:
     """Over `tokenizers.decoders.DecodeStream`, which buffers a character's bytes itself.
 
-    DecodeStream keeps its buffer to itself, so this keeps a copy of what it holds: `held`, the
-    tokens since the last piece it emitted (each emitted piece accounts for every token before
-    it), and `context`, the last few tokens before them (a token's text may depend on them)."""
+    DecodeStream keeps its buffer to itself, so this keeps the tokens (the prompt's last few,
+    then every output token) and `emitted`, how many of them the pieces emitted so far account
+    for: what it holds back is tokens[emitted:]."""
 
     def __init__(self, backend, prompt_token_ids: list[int]):
         from tokenizers.decoders import DecodeStream
 
         self.backend = backend
-        self.context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        self.held: list[int] = []
-        self.stream = DecodeStream(ids=list(self.context), skip_special_tokens=True)
+        self.tokens = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self.emitted = len(self.tokens)
+        self.stream = DecodeStream(ids=list(self.tokens), skip_special_tokens=True)
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens and return the text they complete (maybe empty)."""
-        step, backend = self.stream.step, self.backend
+        step, backend, tokens = self.stream.step, self.backend, self.tokens
         pieces = []
         for token in token_ids:
             piece = step(backend, token)
-            self.held.append(token)
+            tokens.append(token)
             if piece:
                 pieces.append(piece)
-                self.context = (self.context + self.held)[-PROMPT_CONTEXT_TOKENS:]
-                self.held = []
+                self.emitted = len(tokens)
         return "".join(pieces)
 
     def finish(self) -> str:
         """The text of the tokens still held back (an unfinished character as U+FFFD)."""
-        if not self.held:
+        if self.emitted == len(self.tokens):
             return ""
-        decode = self.backend.decode
-        prefix = decode(self.context, skip_special_tokens=True)
-        text = decode(self.context + self.held, skip_special_tokens=True)
-        self.context = (self.context + self.held)[-PROMPT_CONTEXT_TOKENS:]
-        self.held = []
+        start = max(0, self.emitted - PROMPT_CONTEXT_TOKENS)
+        prefix, text = decoded_window(self.backend.decode, self.tokens, start, self.emitted)
+        self.emitted = len(self.tokens)
         return text[len(prefix) :]
 
 
@@ -92,26 +98,22 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> str:
         """Append tokens and return the text they complete (maybe empty)."""
         self.tokens.extend(token_ids)
-        decode = self.tokenizer.decode
-        prefix = decode(
-            self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True
-        )
-        text = decode(self.tokens[self.prefix_offset :], skip_special_tokens=True)
-        if len(text) <= len(prefix) or text.endswith("\ufffd"):
-            return ""
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.tokens)
-        return text[len(prefix) :]
+        return self._emit(final=False)
 
     def finish(self) -> str:
         """The text of the tokens still held back (an unfinished character as U+FFFD)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        """The text past the last emitted, held back (before `final`) while it is empty or ends
+        in an unfinished character."""
         if self.read_offset == len(self.tokens):
             return ""
-        decode = self.tokenizer.decode
-        prefix = decode(
-            self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=True
+        prefix, text = decoded_window(
+            self.tokenizer.decode, self.tokens, self.prefix_offset, self.read_offset
         )
-        text = decode(self.tokens[self.prefix_offset :], skip_special_tokens=True)
+        if not final and (len(text) <= len(prefix) or text.endswith("\ufffd")):
+            return ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.tokens)
         return text[len(prefix) :]
