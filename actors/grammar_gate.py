@@ -53,17 +53,12 @@ class GrammarGate:
                 self.ready.popitem(last=False)
         return self.parked.pop(message.spec, [])
 
-    def drop(self, request_ids: list[str]) -> list[AddRequest]:
-        """Remove parked requests (aborted): -> those that were here."""
-        ids, dropped = set(request_ids), []
-        for spec, waiting in list(self.parked.items()):
-            keep = [m for m in waiting if m.request_id not in ids]
-            dropped += [m for m in waiting if m.request_id in ids]
-            if keep:
-                self.parked[spec] = keep
-            else:  # the Worker's answer still comes, and finds no one
-                self.parked[spec] = []
-        return dropped
+    def drop(self, request_ids: list[str]) -> None:
+        """Remove parked requests (aborted). A spec left with none keeps its (empty) entry: the
+        Worker's answer still comes, and finds no one."""
+        ids = set(request_ids)
+        for spec, waiting in self.parked.items():
+            self.parked[spec] = [m for m in waiting if m.request_id not in ids]
 
     @property
     def num_parked(self) -> int:
