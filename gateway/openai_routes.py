@@ -216,9 +216,8 @@ async def completions(request: Request, gateway: Gateway) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     model, created = gateway.settings.model_id, now()
     names = gateway.token_names
-    _, structured_param = body.structured()
     deltas = gateway.generate(
-        prompt, params, rid, priority=body.priority, structured_param=structured_param
+        prompt, params, rid, priority=body.priority, structured_param=body.structured_param
     )
     if not body.stream:
         samples = await until_disconnect(request, collect(deltas, params.n))
@@ -294,8 +293,7 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     model, created = gateway.settings.model_id, now()
     names = gateway.token_names
-    _, structured_param = body.structured()
-    deltas = gateway.generate(prompt, params, rid, "messages", body.priority, structured_param)
+    deltas = gateway.generate(prompt, params, rid, "messages", body.priority, body.structured_param)
     if not body.stream:
         samples = await until_disconnect(request, collect(deltas, body.n))
         choices = [

@@ -45,6 +45,9 @@ class StructuredOutputsParams(msgspec.Struct, forbid_unknown_fields=True):
     json_object: bool | None = None
 
 
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class StructuredFields(msgspec.Struct, kw_only=True):
     """The request fields that ask for a structured output (a base of the request Structs)."""
 
@@ -54,6 +57,17 @@ class StructuredFields(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @property
+    def structured_param(self) -> str:
+        """The request field a constraint came from ("structured" when none), for the errors
+        the Engine sends back about it; without building the constraint again."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        for name in ("structured_outputs", *GUIDED_FIELDS):
+            if getattr(self, name) is not None:
+                return name
+        return "structured"
 
     def structured(self) -> tuple[StructuredOutput | None, str]:
         """-> (the constraint or None, the request field it came from). A 400 when several
@@ -65,13 +79,8 @@ class StructuredFields(msgspec.Struct, kw_only=True):
                 found.append((spec, "response_format"))
         if self.structured_outputs is not None:
             found.append((structured_outputs_spec(self.structured_outputs), "structured_outputs"))
-        guided = [
-            ("guided_json", self.guided_json),
-            ("guided_regex", self.guided_regex),
-            ("guided_choice", self.guided_choice),
-            ("guided_grammar", self.guided_grammar),
-        ]
-        for name, value in guided:
+        for name in GUIDED_FIELDS:
+            value = getattr(self, name)
             if value is not None:
                 found.append((guided_spec(name, value), name))
         if len(found) > 1:
