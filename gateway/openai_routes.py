@@ -210,9 +210,9 @@ async def completions(request: Request, gateway: Gateway) -> Response:
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     scoring = await prompt_scoring.plan(gateway, body)  # echo, max_tokens 0
     params = body.sampling_params(max_tokens or 1, body.logprobs)
-    prompt = body.prompt_input() if scoring is None else scoring.prompt
+    prompt = body.prompt_input()
     if scoring is not None:
-        params = scoring.engine_params(params)
+        prompt, params = scoring.prompt, scoring.engine_params(params)
     rid = f"cmpl-{uuid.uuid4().hex}"
     model, created = gateway.settings.model_id, now()
     names = gateway.token_names

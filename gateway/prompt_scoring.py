@@ -161,6 +161,7 @@ class StreamedEcho:
         self.entries: list[TokenLogprobs | None] | None = None
         self.sent: set[int] = set()
         self.held: list[Delta] = []
+        self.echo: Echoed | None = None  # the same for every choice: built once
 
     def take(self, delta: Delta) -> list[tuple[Delta, Echoed | None]]:
         """The deltas ready to go out, each with its choice's echo when that is due first."""
@@ -175,7 +176,9 @@ class StreamedEcho:
             echoed = None
             if held.index not in self.sent:
                 self.sent.add(held.index)
-                echoed = self.scoring.echoed(self.entries, self.names)
+                if self.echo is None:
+                    self.echo = self.scoring.echoed(self.entries, self.names)
+                echoed = self.echo
             ready.append((held, echoed))
         self.held = []
         return ready
