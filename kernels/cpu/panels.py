@@ -56,6 +56,16 @@ class PanelWeight:
         x = x.to(self.dtype)
         return x if x.stride(-1) == 1 else x.contiguous()
 
+    def product(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, K] -> x @ weight.T [M, N] in `out_dtype` (default: the weight's; a bf16 weight
+        may also give fp32 sums, an fp32 one gives fp32)."""
+        if self.dtype == torch.bfloat16:
+            out_dtype = out_dtype or torch.bfloat16
+            return bindings.panel_linear_bf16(
+                self._lib, self._rows(x), self.panels, self.out_features, out_dtype
+            )
+        return bindings.panel_linear(self._lib, self._rows(x), self.panels, self.out_features)
+
 
 class GreedyHead(PanelWeight):
     """An LM head with greedy sampling fused in: hidden rows -> the first maximum of each row's
@@ -67,12 +77,8 @@ class GreedyHead(PanelWeight):
         return bindings.greedy_head(self._lib, self._rows(hidden), self.panels, self.out_features)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, vocab] fp32, the values __call__ compares: a bf16 head
-        only (an fp32 head's logits are oneDNN's, lm_head.packed_logits)."""
-        rows = self._rows(hidden)
-        return bindings.panel_linear_bf16(
-            self._lib, rows, self.panels, self.out_features, torch.float32
-        )
+        """hidden [N, H] -> logits [N, vocab] fp32, the values __call__ compares."""
+        return self.product(hidden, torch.float32)
 
 
 class PanelLinear(PanelWeight):
@@ -82,11 +88,7 @@ class PanelLinear(PanelWeight):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] in the weight's dtype -> [M, N] in it (bf16 rounded to nearest even)."""
-        if self.dtype == torch.bfloat16:
-            return bindings.panel_linear_bf16(
-                self._lib, self._rows(x), self.panels, self.out_features, torch.bfloat16
-            )
-        return bindings.panel_linear(self._lib, self._rows(x), self.panels, self.out_features)
+        return self.product(x)
 
 
 class PackedLinear(nn.Linear):
