@@ -138,7 +138,7 @@ static int before_attention(const stack_model *m, int64_t l, const stack_buffers
     const int64_t qkv_width = (hq + 2 * hkv) * D, rot_width = (hq + hkv) * D;
     float *h = b->h + r0 * H, *res = b->res + r0 * H, *x = b->x + r0 * H;
     float *qkv = b->qkv + r0 * qkv_width, *rot = b->rot + r0 * rot_width;
-    uint16_t *rounded = b->rounded + r0 * b->rounded_width;
+    uint16_t *rounded = m->bf16 ? b->rounded + r0 * b->rounded_width : NULL; /* NULL: fp32 */
     if (l == 0) {
         rms_norm(h, H, NULL, layer->input_norm, m->eps, n, H, x, NULL);
         memcpy(res, h, sizeof(float) * n * H);
@@ -172,7 +172,7 @@ static int after_attention(const stack_model *m, int64_t l, const stack_buffers 
     const int64_t hqd = m->num_heads * m->head_dim;
     float *h = b->h + r0 * H, *res = b->res + r0 * H, *x = b->x + r0 * H;
     float *gate_up = b->gate_up + r0 * 2 * I, *act = b->act + r0 * I;
-    uint16_t *rounded = b->rounded + r0 * b->rounded_width;
+    uint16_t *rounded = m->bf16 ? b->rounded + r0 * b->rounded_width : NULL; /* NULL: fp32 */
     if (project(m, b->attn + r0 * hqd, n, hqd, layer->o, H, h, rounded) != 0) return -1;
     rms_norm(h, H, res, layer->post_norm, m->eps, n, H, x, res);
     if (project(m, x, n, H, layer->gate_up, 2 * I, gate_up, rounded) != 0) return -1;
