@@ -173,6 +173,21 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     torch_threads: Annotated[
         int | None, Meta(description="the Worker's torch threads; unset: every core")
     ] = None
+    # CUDA only
+    enforce_eager: Annotated[
+        bool, Meta(description="CUDA: run every step eagerly (no CUDA graphs for decode)")
+    ] = False
+    gpu_memory_utilization: Annotated[
+        float,
+        Meta(
+            description="CUDA: the share of the device's memory the Worker may use (weights, "
+            "activations at the largest step, KV cache)"
+        ),
+    ] = 0.9
+    swap_space_gb: Annotated[
+        float,
+        Meta(description="CUDA: pinned host memory for swapped-out KV blocks (swap preemption)"),
+    ] = 4.0
     # An OpenMP thread that spins long for its next region keeps a core that another process on
     # the machine (a load generator, the gateway) needs, and the step then waits for that
     # process's time slice: a short spin keeps back-to-back regions fast and yields the core.
@@ -259,6 +274,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         checks = [
             ("block_size", self.block_size in (8, 16, 32, 64), "one of 8, 16, 32, 64"),
             ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+            ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "in (0, 1]"),
+            ("swap_space_gb", self.swap_space_gb >= 0.0, ">= 0"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, ">= 1"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, ">= 2"),
