@@ -50,6 +50,19 @@ def _hf_greedy(model_dir: Path, prompt_ids: tuple[int, ...], max_new_tokens: int
     return tuple(out[0, len(prompt_ids) :].tolist())
 
 
+def smallest_greedy_margin(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> float:
+    """The smallest gap between the top two logits over transformers' greedy continuation.
+
+    A test that compares greedy outputs computed in different orders (a prefill of prompt +
+    output after a restart or a preemption against decodes one token at a time) needs prompts
+    whose every step has a clear winner: a gap within float32 rounding may pick either."""
+    out = hf_generate(
+        hf_model(model_dir), prompt_ids, max_new_tokens, output_scores=True,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    return min(float(s[0].topk(2).values.diff().abs()) for s in out.scores)
+
+
 def hf_generate(model, prompt_ids, max_new_tokens: int, **options):
     """`model.generate` greedy on one unpadded prompt; `options` go to generate as they are."""
     ids = torch.tensor([list(prompt_ids)])

@@ -14,7 +14,7 @@ from gateway_support import GatewayServer, open_stream, read_events
 
 from actorserve.gateway.client import AsyncClient
 from actorserve.messages.common import SamplingParams
-from support import prompts_of_lengths
+from support import prompts_of_lengths, smallest_greedy_margin
 
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, n=2, max_tokens=40)
 
@@ -93,7 +93,8 @@ def http_streams(server, prompts, kill_engine: bool) -> list[tuple[str, str, str
 def test_http_streams_survive_an_engine_sigkill_with_identical_output(llama_dir):
     server = GatewayServer(llama_dir)
     try:
-        prompts = prompts_of_lengths(llama_dir, [12, 20, 31, 44, 50, 63, 70, 88])
+        prompts = prompts_of_lengths(llama_dir, [12, 20, 33, 44, 50, 63, 70, 88])
+        assert all(smallest_greedy_margin(llama_dir, p, 48) > 1e-3 for p in prompts)
         fault_free = http_streams(server, prompts, kill_engine=False)
         assert all(reason in ("stop", "length") for _, reason, _ in fault_free)
         assert http_streams(server, prompts, kill_engine=True) == fault_free
