@@ -66,7 +66,7 @@ def philox_bits(key_lo, key_hi, counter):
     return c0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one compiled variant whatever the batch size
 def gumbel_argmax_kernel(
     z_ptr,
     keys_ptr,

@@ -120,3 +120,25 @@ def test_cuda_sampler_draws_on_the_device_and_splits_small_batches():
     keys = torch.tensor([1, 2], device="cuda")
     assert torch.equal(gumbel_argmax(z, keys, "triton", sampler.min_programs),
                        gumbel_argmax_triton(z, keys))  # fmt: skip
+
+
+def test_warm_up_draws_once_over_the_vocabulary():
+    sampler = Sampler(device=DEVICE, backend="triton")
+    sampler.warm_up(3000)
+    rows = [SampleRow(SamplingParams(temperature=1.0, seed=2), 4, 0, [], [0] * 4)]
+    assert 0 <= sampler(torch.randn(1, 3000, device=DEVICE), rows)[0] < 3000
+
+
+@pytest.mark.gpu
+def test_after_warm_up_no_batch_size_compiles_another_variant():
+    from actorserve.kernels.sampling_triton import gumbel_argmax_kernel
+
+    sampler = Sampler(device="cuda")
+    sampler.warm_up(151_936)
+    device = torch.cuda.current_device()
+    compiled = len(gumbel_argmax_kernel.device_caches[device][0])
+    for batch in (1, 3, 16, 33, 256):
+        z = torch.randn(batch, 151_936, device="cuda")
+        keys = torch.arange(batch, device="cuda")
+        gumbel_argmax(z, keys, "triton", sampler.min_programs)
+    assert len(gumbel_argmax_kernel.device_caches[device][0]) == compiled

@@ -146,6 +146,12 @@ class Sampler:
                 tokens.index_copy_(0, index, some)
         return self.readback.start(tokens)
 
+    def warm_up(self, vocab_size: int) -> None:
+        """Draw once over a vocabulary of `vocab_size`, so that the Triton kernel (one variant
+        per vocabulary size) is compiled before a request needs it."""
+        logits = torch.zeros(1, vocab_size, device=self.readback.device)
+        self.draw(logits, [SampleRow(SamplingParams(temperature=1.0), 0, 0, [])])
+
     def draw(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         """logits [R, vocab] float32 of rows with temperature > 0 -> [R] int64 tokens drawn from
         their scaled, filtered distributions."""
