@@ -52,13 +52,18 @@ class PendingLogprobs:
     """The raw log_softmax of the sampled rows that asked for logprobs, awaiting their tokens."""
 
     picked: list[int]  # row indices into the step's sample rows
+    index: torch.Tensor  # the same on the logits' device
     logprobs: torch.Tensor  # [len(picked), vocab]
     ks: list[int]
     num_rows: int
 
-    def finish(self, tokens: Sequence[int]) -> list[TokenLogprobs | None]:
-        """tokens: the step's sampled token per row -> one entry per row (None: not asked)."""
-        ids = torch.tensor([tokens[i] for i in self.picked], device=self.logprobs.device)
+    def finish(self, tokens: Sequence[int] | torch.Tensor) -> list[TokenLogprobs | None]:
+        """tokens: the step's sampled token per row (a list, or [N] int64 on the logits' device)
+        -> one entry per row (None: not asked)."""
+        if isinstance(tokens, torch.Tensor):
+            ids = tokens.index_select(0, self.index)
+        else:
+            ids = torch.tensor([tokens[i] for i in self.picked], device=self.logprobs.device)
         out: list[TokenLogprobs | None] = [None] * self.num_rows
         for i, entry in zip(self.picked, token_logprobs(self.logprobs, ids, self.ks)):
             out[i] = entry
@@ -68,14 +73,15 @@ class PendingLogprobs:
 def start_sample_logprobs(
     logits: torch.Tensor, rows: Sequence[SampleRow]
 ) -> PendingLogprobs | None:
-    """Before sampling: None when no row asks for logprobs (the common case costs one pass)."""
+    """Before sampling: the log_softmax of the rows that ask for logprobs, and of no other row;
+    None when none asks."""
     picked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not picked:
         return None
     index = torch.tensor(picked, device=logits.device)
     logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
     ks = [rows[i].params.logprobs for i in picked]
-    return PendingLogprobs(picked, logprobs, ks, len(rows))
+    return PendingLogprobs(picked, index, logprobs, ks, len(rows))
 
 
 class PromptLogprobsTracker:

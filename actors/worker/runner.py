@@ -89,9 +89,9 @@ class ModelRunner:
         self.decodes: DecodeBatch | None = None  # the last step, when all its requests decoded
         self.grown: list[tuple[int, CachedRequest]] = []  # (index in the step, request)
         if fast_path is None:
-            self.sampler = Sampler(config.seed)
+            self.sampler = Sampler(config.seed, device=device)
         else:
-            self.sampler = Sampler(config.seed, fast_path.argmax_rows)
+            self.sampler = Sampler(config.seed, fast_path.argmax_rows, device)
         self.prompt_logprobs = PromptLogprobsTracker()  # requests owing prompt logprobs
         self.grammars = GrammarCache(
             config.model, config.facts.vocab_size, self.eos_token_ids, config.structured_cache_size
@@ -357,14 +357,15 @@ class ModelRunner:
                 logits = logits.float()  # masked in place (the sampler's dtype anyway)
             constrained = mask_grammar_rows(logits, other_rows)
             pending = start_sample_logprobs(logits, other_rows)  # raw (but masked) distribution
-            some = self.sampler(logits, other_rows)
+            sampled_tokens = self.sampler.sample(logits, other_rows)  # on its way to the host
+            if pending is not None:  # their entries from the tokens on the device
+                logprobs = [None] * len(rows)
+                for i, entry in zip(other, pending.finish(sampled_tokens.device)):
+                    logprobs[i] = entry
+            some = sampled_tokens.tolist()
             advance_grammars(other_rows, some, constrained)
             for i, token in zip(other, some):
                 tokens[i] = token
-            if pending is not None:
-                logprobs = [None] * len(rows)
-                for i, entry in zip(other, pending.finish(some)):
-                    logprobs[i] = entry
         return tokens, None, logprobs, logits_done
 
     def _clock(self) -> float | None:
