@@ -115,11 +115,15 @@ def test_a_batch_is_padded_to_the_next_captured_size():
     assert padded == {1: 1, 3: 4, 5: 8, 16: 16, 17: 32, 33: 48, 64: 64, 65: None}
 
 
-@pytest.mark.parametrize("rows, padded", [(3, 4), (5, 8), (17, 32)])
-def test_padded_decode_graphs_give_the_plain_runners_greedy_tokens(llama_dir, rows, padded):
-    plain = runner_for(llama_dir)
+@pytest.mark.parametrize(
+    "model, rows, padded",
+    [("llama_dir", 3, 4), ("llama_dir", 5, 8), ("llama_dir", 17, 32), ("qwen3_dir", 5, 8)],
+)
+def test_padded_decode_graphs_give_the_plain_runners_greedy_tokens(request, model, rows, padded):
+    model_dir = request.getfixturevalue(model)
+    plain = runner_for(model_dir)
     assert plain.buffers is None  # the CPU's own path: host tensors, no graphs
-    graphs = runner_for(llama_dir)
+    graphs = runner_for(model_dir)
     assert graphs.capture_decode_graphs(eager_replay=True) == graph_batch_sizes(64)
     replays = count_replays(graphs)
     with torch.inference_mode():
@@ -264,9 +268,9 @@ def test_a_cuda_graph_replay_matches_the_eager_forward_on_the_same_inputs(qwen3_
         runner.execute(schedule.prefill())
         for _ in range(3):
             runner.execute(schedule.decode())
-        inputs = runner.prepare(runner.apply(schedule.decode()))
-        assert inputs.decode_graph == 8
-        with torch.cuda.stream(runner.compute_stream):
+        with torch.cuda.stream(runner.compute_stream):  # the stream prepare orders for
+            inputs = runner.prepare(runner.apply(schedule.decode()))
+            assert inputs.decode_graph == 8
             replayed = runner.decode_graphs.replay(8)[:5].clone()
             eager = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
         torch.cuda.synchronize()

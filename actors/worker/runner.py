@@ -23,7 +23,7 @@ Stream ordering on CUDA (the Worker's two streams; the forward thread alone issu
   stream (the last forward read the same buffers); the compute stream waits for them (an event).
   The host waits for the previous step's input copies before rewriting the pinned staging.
   Every tensor that crosses the two streams is a persistent buffer (step buffers, KV cache,
-  swap space), never freed, so record_stream has nothing to guard.
+  swap space), so record_stream has nothing to guard (step_buffers.py says why).
 """
 
 from __future__ import annotations

@@ -14,8 +14,10 @@ Stream ordering (CUDA): the host waits for the previous step's copies (an event)
 the staging buffers again, as a non_blocking copy reads its source after the call returns; the
 copy stream waits for the compute stream before overwriting the device buffers the previous
 step's forward read; the compute stream waits for the copies (an event) before it reads them.
-Nothing the copy stream allocates is read on the compute stream, so no record_stream is needed:
-the buffers are persistent, and the caching allocator never hands them to another stream.
+Every tensor that crosses the two streams is a persistent buffer, which the caching allocator
+never hands out again while a stream may still use it, so no record_stream is needed; the one
+buffer ever replaced, the device block table when BlockTables grows, is dropped only after the
+device has finished with it (DeviceBlockTables.sync).
 """
 
 from __future__ import annotations
