@@ -166,8 +166,9 @@ class StepBuffers:
 
     def pad_decode(self, start: int, end: int) -> None:
         """Host rows [start, end) of a decode step as padding: token 0 at position 0, slot -1
-        (store_kv writes nothing), context length 1 and one query each (query_start_loc goes on
-        by one a row). Paged attention then reads, for a padded row, the first cache slot of
+        (store_kv writes nothing), context length 1 (paged_attention requires >= 1: a row of
+        no context would divide by an empty softmax) and one query each (query_start_loc goes
+        on by one a row). Paged attention then reads, for a padded row, the first cache slot of
         its graph_tables row's first block, any valid block id, and its output is never used:
         in bounds, with no write to the cache and no effect on the real rows."""
         self.input_ids.view[start:end] = 0
