@@ -36,3 +36,20 @@ def test_clear_frees_every_row():
     tables.write(tables.take_row(), 0, [1, 2])
     tables.clear()
     assert tables.take_row() == 0 and not tables.table.any()
+
+
+def test_take_changes_names_the_rows_written_or_released_since_the_last_call():
+    tables = BlockTables(rows=4, columns=4)
+    assert tables.take_changes() is None  # new: a copy takes it whole
+    a, b, c = tables.take_row(), tables.take_row(), tables.take_row()
+    tables.write(c, 0, [1])
+    tables.write(a, 0, [2, 3])
+    assert tables.take_changes() == [a, c]
+    assert tables.take_changes() == []
+    tables.release(c, 1)
+    tables.write(b, 0, [4])
+    assert tables.take_changes() == [b, c]
+    tables.write(a, 2, [5, 6, 7])  # past 4 columns: the table grows, every row moves
+    assert tables.take_changes() is None
+    tables.clear()
+    assert tables.take_changes() is None and tables.take_changes() == []

@@ -2,11 +2,14 @@
 device, plus an optional swap space of the same shape in (pinned, on CUDA) host memory.
 
 Swaps run on the Worker's copy stream: swap-outs (device -> host) first, then swap-ins (host ->
-device), all before the step's forward, which waits on an event.
+device), all before the step's forward, which waits on an event. The copy stream first waits for
+the compute stream: a swap-out reads blocks the last forward may still be writing (store_kv), and
+a swap-in writes blocks (freed since) that it may still be reading.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -69,12 +72,16 @@ class KVCache:
         swap_in: list[tuple[int, int]],
         stream: torch.cuda.Stream | None = None,
     ) -> None:
-        """Copy (device block, host block) pairs out, then (host block, device block) pairs in."""
+        """Copy (device block, host block) pairs out, then (host block, device block) pairs in.
+        With a `stream`: on it, ordered after the current (compute) stream's work so far, and
+        the current stream waits for the copies."""
         if not swap_out and not swap_in:
             return
         if swap_out and not self.cpu_layers:
             raise RuntimeError("swap_out without swap space (num_cpu_blocks is 0)")
-        context = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with context:
             for (k, v), (k_cpu, v_cpu) in zip(self.layers, self.cpu_layers):
                 for src, dst in ((k, k_cpu), (v, v_cpu)):
@@ -101,11 +108,3 @@ def _copy_blocks(layers, pairs: list[tuple[int, int]]) -> None:
 def _index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     first, second = zip(*pairs)
     return torch.tensor(first, dtype=torch.long), torch.tensor(second, dtype=torch.long)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -8,6 +8,22 @@ here, so a decode needs no token ids from the Scheduler.
 Where the CPU fast path serves (kernels/cpu/fast_path.py, None elsewhere), it is the one hook: a
 step of decodes gets its inputs in C (DecodeBatch), its hidden states from the decode stack and
 its greedy tokens from the fused head; every other step goes through the model and the sampler.
+
+A step's inputs are numbers first (flat_step.py), then tensors: on the CPU, host tensors over
+those numbers; on CUDA, persistent pinned buffers copied to persistent device buffers
+(step_buffers.py). Once `capture_decode_graphs` ran, a step of decodes alone replays a CUDA
+graph over those buffers, padded to the next captured batch size (graph_runner.py).
+
+Stream ordering on CUDA (the Worker's two streams; the forward thread alone issues work):
+- copy stream, first: KV swaps. It waits for the compute stream before it reads blocks to swap
+  out (the last forward may still write them) or writes blocks swapped in (the last forward may
+  still read them); the compute stream waits for the swaps (an event) before the forward.
+- compute stream: block copies (copy-on-write), then the step.
+- copy stream, second: the step's inputs into the device buffers, after waiting for the compute
+  stream (the last forward read the same buffers); the compute stream waits for them (an event).
+  The host waits for the previous step's input copies before rewriting the pinned staging.
+  Every tensor that crosses the two streams is a persistent buffer (step buffers, KV cache,
+  swap space), so record_stream has nothing to guard (step_buffers.py says why).
 """
 
 from __future__ import annotations
@@ -17,20 +33,22 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from ...messages.step import NewRequest, StepPlan, StepResult
 from ..config import EngineConfig
 from ..step_trace import open_trace
 from .block_tables import BlockTables
-from .decode_batch import DecodeBatch, sample_rows_of
+from .decode_batch import DecodeBatch
+from .flat_step import FlatStep, flat_step, past_blocks
 from .grammar_cache import GrammarCache
 from .grammar_state import GrammarState, advance_grammars, mask_grammar_rows
+from .graph_runner import DecodeGraphs, graph_batch_sizes
 from .kv_cache import KVCache
 from .logprobs import PromptLogprobsTracker, start_sample_logprobs
 from .models.llama import AttentionMetadata
 from .sampler import Sampler, SampleRow, is_plain_greedy
+from .step_buffers import StepBuffers
 
 if TYPE_CHECKING:
     from ...kernels.cpu.fast_path import CpuFastPath
@@ -61,6 +79,7 @@ class StepInputs:
     requests: list[CachedRequest]  # the scheduled ones, in the step's order
     sample_requests: list[CachedRequest]  # those that sample, in sample_ids' order
     decodes: DecodeBatch | None = None  # a step of decodes: its numbers, for the next step
+    decode_graph: int | None = None  # the captured batch size whose graph runs the step
 
 
 class ModelRunner:
@@ -99,6 +118,8 @@ class ModelRunner:
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None  # step inputs, KV swaps
         self.compute_stream = torch.cuda.Stream(device) if cuda else None
+        self.buffers = self._step_buffers() if cuda else None  # the CPU: host tensors per step
+        self.decode_graphs: DecodeGraphs | None = None  # see capture_decode_graphs
         self.trace = open_trace(config.step_trace)  # a record per step with its phases' clock times
 
     def apply(self, plan: StepPlan) -> list[tuple[str, int]]:
@@ -151,63 +172,31 @@ class ModelRunner:
         self.block_tables.clear()
 
     def prepare(self, scheduled: list[tuple[str, int]]) -> StepInputs:
-        """Flat inputs for the step, vectorized over requests (numpy), one request after another;
-        a step of decodes alone through the fast path where it serves (_decode_inputs)."""
+        """Flat inputs for the step, vectorized over requests (flat_step.py), as host tensors
+        or staged in the step buffers; a step of decodes alone through the fast path where it
+        serves (_decode_inputs), or through a decode graph where one was captured."""
         last, self.decodes = self.decodes, None  # kept again only once this step is done
         if self.fast_path is not None:
             inputs = self._decode_inputs(scheduled, last)
             if inputs is not None:
                 return inputs
-        bs = self.block_size
-        n = len(scheduled)
-        reqs = [self.requests[rid] for rid, _ in scheduled]
-        counts = np.fromiter((count for _, count in scheduled), np.int64, n)
-        starts = np.fromiter((r.num_computed for r in reqs), np.int64, n)
-        ends = starts + counts
-        query_start = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(counts, out=query_start[1:])
-        total = int(query_start[-1])
-        num_blocks = np.fromiter((r.num_blocks for r in reqs), np.int64, n)
-        if bool((ends > num_blocks * bs).any()):
-            b = int(np.flatnonzero(ends > num_blocks * bs)[0])
-            raise self._past_blocks(scheduled[b][0], int(ends[b]), int(num_blocks[b]))
-        table_rows = np.fromiter((r.row for r in reqs), np.int64, n)
-        tables = self.block_tables.gather(table_rows, int(num_blocks.max()))
-        if total == n:  # decodes only: one token each
-            rows, positions = np.arange(n), starts
-            ids = [r.token_ids[i] for r, i in zip(reqs, starts.tolist())]
+        step = flat_step(scheduled, self.requests, self.block_tables, self.block_size)
+        if self.buffers is None:
+            tensors, graph = step.host_tensors(self.block_tables), None
         else:
-            rows = np.repeat(np.arange(n), counts)
-            positions = np.arange(total, dtype=np.int64) - np.repeat(
-                query_start[:-1] - starts, counts
-            )
-            ids = []
-            for r, start, end in zip(reqs, starts.tolist(), ends.tolist()):
-                ids.extend(r.token_ids[start:end])
-        slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
-        lengths = np.fromiter((len(r.token_ids) for r in reqs), np.int64, n)
-        sampling = np.flatnonzero(ends == lengths)  # requests that reach their last token
-        sample_ids, sample_rows, sample_reqs = sample_rows_of(
-            scheduled, reqs, zip(sampling.tolist(), ends[sampling].tolist())
-        )
-        host = {
-            "input_ids": torch.tensor(ids, dtype=torch.long),
-            "positions": torch.from_numpy(positions),
-            "slot_mapping": torch.from_numpy(slots),
-            "block_tables": torch.from_numpy(tables),
-            "seq_lens": torch.from_numpy(ends.astype(np.int32)),
-            "query_start_loc": torch.from_numpy(query_start.astype(np.int32)),
-        }
-        if len(sampling) < total:
-            host["sample_index"] = torch.from_numpy(query_start[1:][sampling] - 1)
-        dev = self._to_device(host)
-        meta = AttentionMetadata(
-            dev["slot_mapping"], dev["block_tables"], dev["seq_lens"], dev["query_start_loc"]
-        )
+            graph = self._graph_size(step)
+            tensors = self.buffers.stage(step, graph)
         return StepInputs(
-            dev["input_ids"], dev["positions"], meta, dev.get("sample_index"), sample_ids,
-            sample_rows, reqs, sample_reqs,
+            *tensors, step.sample_ids, step.sample_rows, step.requests, step.sample_requests,
+            decode_graph=graph,
         )  # fmt: skip
+
+    def _graph_size(self, step: FlatStep) -> int | None:
+        """The captured batch size that runs `step`, or None: it runs eagerly."""
+        graphs = self.decode_graphs
+        if graphs is None or not step.decodes_only or step.width > self.buffers.graph_width:
+            return None
+        return graphs.padded_size(len(step.requests))
 
     def _decode_inputs(self, scheduled, last: DecodeBatch | None) -> StepInputs | None:
         """prepare() for one token per request, through the fast path: the numbers in C
@@ -229,7 +218,8 @@ class ModelRunner:
         past = batch.fill(table, self.block_size)
         if past is not None:
             numbers = batch.numbers[past]
-            raise self._past_blocks(batch.scheduled[past][0], int(numbers[0]) + 1, int(numbers[1]))
+            request_id, end = batch.scheduled[past][0], int(numbers[0]) + 1
+            raise past_blocks(request_id, end, int(numbers[1]), self.block_size)
         index = batch.sample_index
         meta = AttentionMetadata(
             inputs.slots, inputs.tables, inputs.seq_lens, inputs.query_start_loc
@@ -241,22 +231,33 @@ class ModelRunner:
             batch.requests if index is None else [batch.requests[i] for i in index], batch,
         )  # fmt: skip
 
-    def _past_blocks(self, request_id: str, end: int, num_blocks: int) -> ValueError:
-        return ValueError(
-            f"request {request_id} computes up to token {end} but holds {num_blocks} blocks "
-            f"of {self.block_size}"
-        )
+    def _step_buffers(self) -> StepBuffers:
+        config = self.config
+        width = -(-(config.max_model_len or 0) // self.block_size)
+        return StepBuffers(
+            config.max_num_batched_tokens, config.max_num_seqs, self.block_tables,
+            max(width, self.block_tables.table.shape[1]), self.device, self.copy_stream,
+        )  # fmt: skip
 
-    def _to_device(self, host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """CPU: as is. CUDA: pinned buffers copied on the copy stream; compute waits on an event."""
-        if self.copy_stream is None:
-            return host
-        with torch.cuda.stream(self.copy_stream):
-            dev = {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in host.items()}
-            ready = torch.cuda.Event()
-            ready.record(self.copy_stream)
-        self.compute_stream.wait_event(ready)
-        return dev
+    def capture_decode_graphs(self, eager_replay: bool = False) -> list[int]:
+        """Capture the decode graphs (graph_runner.py), which then serve every step of decodes
+        alone: the batch sizes captured. None are ([]) with config.enforce_eager, with the CPU
+        fast path, or on a device without CUDA graphs unless `eager_replay`: graphs that run
+        the model on each replay instead of recording it (the same buffers, padding and
+        slicing; the CPU tests' path). Call once, at start, after the KV cache exists."""
+        if self.config.enforce_eager or self.fast_path is not None:
+            return []
+        record = self.device.type == "cuda" and not eager_replay
+        if not (record or eager_replay):
+            return []
+        if self.buffers is None:
+            self.buffers = self._step_buffers()
+        sizes = graph_batch_sizes(self.config.max_num_seqs)
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.buffers, sizes, record)
+        with torch.inference_mode(), self._on_compute_stream():
+            graphs.capture()
+        self.decode_graphs = graphs
+        return sizes
 
     def _on_compute_stream(self):
         if self.compute_stream is None:
@@ -312,8 +313,10 @@ class ModelRunner:
         )
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The step's hidden states: the fast path's decode stack where it serves the step, else
-        the model (the same numbers)."""
+        """The step's hidden states: its decode graph's, or the fast path's decode stack where
+        it serves the step, else the model's (the same numbers)."""
+        if inputs.decode_graph is not None:  # its first rows: the step's own
+            return self.decode_graphs.replay(inputs.decode_graph)[: len(inputs.requests)]
         args = (inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         hidden = None if self.fast_path is None else self.fast_path.forward(*args)
         return self.model(*args) if hidden is None else hidden
