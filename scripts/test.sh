@@ -10,4 +10,4 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
 fi
 . .venv/bin/activate
 ruff check .
-exec python -m pytest -q -ra "$@"
+exec python -m pytest -q -ra --durations=30 "$@"
