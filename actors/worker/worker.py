@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
-from ...kernels import attention_ops
+from ...kernels import attention_ops, elementwise_ops
 from ...messages.codec import DecodeError, Decoder, WorkerInbox, WorkerStepsInbox, encode
 from ...messages.control import Ready, Reset, Stop
 from ...messages.step import StepPlan, StepResult
@@ -56,7 +56,6 @@ def build_runner(cfg: EngineConfig):
     import torch
 
     from ...kernels.cpu.fast_path import CpuFastPath
-    from ...kernels.elementwise import TORCH_ELEMENTWISE
     from ..model_config import ModelConfig
     from . import dtypes
     from .kv_cache import KVCache
@@ -76,7 +75,7 @@ def build_runner(cfg: EngineConfig):
             f"kv_cache_dtype must be the model's dtype ({dtype}) with the triton attention "
             f"backend, got {kv_dtype}"
         )
-    elementwise = TORCH_ELEMENTWISE if fast_path is None else fast_path.elementwise
+    elementwise = elementwise_ops(ops) if fast_path is None else fast_path.elementwise
     model, shape = load_model(cfg.model, device, dtype, ops, elementwise)
     layout = (shape.num_layers, cfg.block_size, shape.num_kv_heads, shape.head_dim)
     block_bytes = KVCache.block_bytes(*layout, kv_dtype)
