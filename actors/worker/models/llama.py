@@ -4,10 +4,10 @@ The step is flat: T tokens from B sequences, laid out sequence after sequence. A
 through `ops` (kernels.attention_ops): store_kv writes this step's K/V into the paged cache, then
 paged_attention reads each sequence's whole context back through its block table. The norms,
 rope and SiLU-and-multiply go through `elementwise` (kernels.elementwise.ElementwiseOps: plain
-torch unless a backend gives its own, as the CPU fast path and the Triton kernels do). Nothing here knows a backend:
-the CPU fast path (kernels/cpu/fast_path.py) lays out and packs these weights itself. Parameter
-names follow Hugging Face's, except the fused `qkv_proj` (rows q, k, v) and `gate_up_proj` (rows
-gate, up); the loader concatenates the checkpoint's tensors to match.
+torch unless a backend gives its own, as the CPU fast path and the Triton kernels do). Nothing
+here knows a backend: the CPU fast path (kernels/cpu/fast_path.py) lays out and packs these
+weights itself. Parameter names follow Hugging Face's, except the fused `qkv_proj` (rows q, k, v)
+and `gate_up_proj` (rows gate, up); the loader concatenates the checkpoint's tensors to match.
 """
 
 from __future__ import annotations
