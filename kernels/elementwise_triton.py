@@ -147,8 +147,7 @@ def _kernel_takes(*tensors: torch.Tensor) -> bool:
     """One dtype the kernels handle, one device, each last dimension contiguous."""
     first = tensors[0]
     return first.dtype in KERNEL_DTYPES and all(
-        t.dtype == first.dtype and t.device == first.device and t.stride(-1) == 1
-        for t in tensors
+        t.dtype == first.dtype and t.device == first.device and t.stride(-1) == 1 for t in tensors
     )
 
 
@@ -246,6 +245,7 @@ def _launch_norm_rope(
         BLOCK_H=block_h,
         HAS_NORM=q_weight is not None,
         num_warps=4,
+        enable_fp_fusion=False,  # x * cos + x' * sin as two rounded products, torch's to the bit
     )
     return q, k
 
