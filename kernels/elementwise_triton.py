@@ -289,3 +289,29 @@ def qk_norm_rope(
 
 TORCH_QK_NORM_ROPE = elementwise.compose_qk_norm_rope(elementwise.rms_norm, elementwise.rope)
 TRITON_ELEMENTWISE = ElementwiseOps("triton", rms_norm, rope, silu_mul, qk_norm_rope)
+
+
+def warm_up(
+    hidden_size: int,
+    intermediate_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    qk_norm: bool,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> int:
+    """Launch each kernel variant a model of these shapes uses (RMSNorm with and without the
+    residual, SiLU x up, q/k norm + rope) on dummy rows laid out as the model's, so Triton
+    compiles them now rather than in a request. Returns the number of variants launched."""
+    zeros = dict(dtype=dtype, device=device)
+    x = torch.zeros((2, hidden_size), **zeros)
+    weight = torch.ones(hidden_size, **zeros)
+    rms_norm(x, None, weight, 1e-6)
+    rms_norm(x, x.clone(), weight, 1e-6)
+    silu_mul(torch.zeros((2, 2 * intermediate_size), **zeros))
+    qkv = torch.zeros((2, (num_q_heads + 2 * num_kv_heads) * head_dim), **zeros)
+    cos = torch.ones((2, 1, head_dim), **zeros)
+    norm = (torch.ones(head_dim, **zeros),) * 2 if qk_norm else (None, None)
+    qk_norm_rope(qkv, num_q_heads, num_kv_heads, cos, cos, *norm, 1e-6)
+    return 4

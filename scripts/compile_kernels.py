@@ -52,6 +52,7 @@ def run(cases, arch: int, store_kv_heads: int, store_kv_block_size: int) -> int:
     memory."""
     import torch
 
+    from actorserve.kernels import attention_config
     from actorserve.kernels import paged_attention as attention
     from actorserve.kernels import store_kv as store
 
@@ -64,8 +65,8 @@ def run(cases, arch: int, store_kv_heads: int, store_kv_block_size: int) -> int:
         cache = torch.empty((1, block_size, hkv, head_dim), dtype=q.dtype, device="meta")
         tables = torch.empty((batch, max_blocks), dtype=torch.int32, device="meta")
         for sms in (132, 0):  # the H200's split choice, and no split
-            config = attention.choose_config(q, cache, tables, num_sms=sms)
-            consts, combine = attention.kernel_constexprs(
+            config = attention_config.choose_config(q, cache, tables, num_sms=sms)
+            consts, combine = attention_config.kernel_constexprs(
                 head_dim, hq // hkv, block_size, dtype == "fp32", config
             )
             ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}

@@ -77,6 +77,10 @@ def build_runner(cfg: EngineConfig):
         )
     elementwise = elementwise_ops(ops) if fast_path is None else fast_path.elementwise
     model, shape = load_model(cfg.model, device, dtype, ops, elementwise)
+    if device.type == "cuda" and ops.name == "triton":  # no request waits for a compile
+        from ...kernels.triton_warm_up import warm_up_triton
+
+        warm_up_triton(shape, cfg.block_size, dtype, device)
     layout = (shape.num_layers, cfg.block_size, shape.num_kv_heads, shape.head_dim)
     block_bytes = KVCache.block_bytes(*layout, kv_dtype)
     num_blocks = cfg.num_kv_blocks or max(1, kv_budget_bytes(cfg, device) // block_bytes)
