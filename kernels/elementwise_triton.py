@@ -16,6 +16,8 @@ dtypes, a last dimension that is not contiguous) go to the torch versions.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -151,6 +153,23 @@ def _kernel_takes(*tensors: torch.Tensor) -> bool:
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _norm_tiling(dim: int) -> tuple[int, int, int]:
+    """(BLOCK_D, BLOCK_ROWS, num_warps) of the RMSNorm kernel for rows of dim elements."""
+    block_d = triton.next_power_of_2(dim)
+    block_rows = max(1, PROGRAM_ELEMENTS // block_d)
+    return block_d, block_rows, 4 if block_d * block_rows <= 2048 else 8
+
+
+@functools.lru_cache(maxsize=64)
+def _norm_rope_tiling(head_dim: int, num_q_heads: int, num_k_heads: int) -> tuple[int, int, int]:
+    """(D_PAD, BLOCK_H, head blocks per token) of the q/k norm + rope kernel."""
+    d_pad = triton.next_power_of_2(head_dim)
+    widest = triton.next_power_of_2(max(num_q_heads, num_k_heads))
+    block_h = max(1, min(widest, PROGRAM_ELEMENTS // d_pad))
+    return d_pad, block_h, triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] as [N, D] (a view where the strides allow, as for a 2-D x)."""
     return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -161,17 +180,17 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """kernels.elementwise.rms_norm in one pass: (normed, s) as contiguous tensors of x's shape."""
     both = (x, weight) if residual is None else (x, residual, weight)
-    if not _kernel_takes(*both) or (residual is not None and residual.shape != x.shape):
-        return elementwise.rms_norm(x, residual, weight, eps)
     dim = x.shape[-1]
+    fits = _kernel_takes(*both) and tuple(weight.shape) == (dim,)
+    if not fits or (residual is not None and residual.shape != x.shape):
+        return elementwise.rms_norm(x, residual, weight, eps)
     rows = _rows(x)
     res_rows = rows if residual is None else _rows(residual)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     summed = None if residual is None else torch.empty_like(out)
     if rows.shape[0] == 0:
         return out, summed
-    block_d = triton.next_power_of_2(dim)
-    block_rows = max(1, PROGRAM_ELEMENTS // block_d)
+    block_d, block_rows, num_warps = _norm_tiling(dim)
     _rms_norm_kernel[(triton.cdiv(rows.shape[0], block_rows),)](
         rows,
         res_rows,
@@ -186,7 +205,7 @@ def rms_norm(
         BLOCK_D=block_d,
         BLOCK_ROWS=block_rows,
         HAS_RESIDUAL=residual is not None,
-        num_warps=4 if block_d * block_rows <= 2048 else 8,
+        num_warps=num_warps,
     )
     return out, summed
 
@@ -221,11 +240,8 @@ def _launch_norm_rope(
     k = torch.empty((num_tokens, num_k_heads, head_dim), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return q, k
-    d_pad = triton.next_power_of_2(head_dim)
-    block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), PROGRAM_ELEMENTS // d_pad)
-    block_h = max(1, block_h)
-    grid = (num_tokens, triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h))
-    _qk_norm_rope_kernel[grid](
+    d_pad, block_h, head_blocks = _norm_rope_tiling(head_dim, num_q_heads, num_k_heads)
+    _qk_norm_rope_kernel[(num_tokens, head_blocks)](
         x,
         q,
         k,
@@ -250,9 +266,8 @@ def _launch_norm_rope(
     return q, k
 
 
-def _tables_fit(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+def _tables_fit(num_tokens: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """cos, sin [T, 1, D] (or [T, D]) with rows the kernel can step through."""
-    num_tokens, head_dim = x.shape[0], x.shape[-1]
     return all(
         t.shape[0] == num_tokens and t.shape[-1] == head_dim and t.numel() == num_tokens * head_dim
         for t in (cos, sin)
@@ -261,7 +276,8 @@ def _tables_fit(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """kernels.elementwise.rope in one pass: x [T, H, D] -> the rotated x, contiguous."""
-    if x.dim() != 3 or not _kernel_takes(x, cos, sin) or not _tables_fit(x, cos, sin):
+    fits = x.dim() == 3 and _kernel_takes(x, cos, sin)
+    if not fits or not _tables_fit(x.shape[0], x.shape[-1], cos, sin):
         return elementwise.rope(x, cos, sin)
     return _launch_norm_rope(x, x.shape[1], 0, cos, sin, None, None, 0.0)[0]
 
@@ -277,14 +293,16 @@ def qk_norm_rope(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """kernels.elementwise.compose_qk_norm_rope's step in one launch for q and k together."""
-    q, k, v = elementwise.split_qkv(qkv, num_q_heads, num_kv_heads)
     weights = () if q_weight is None else (q_weight, k_weight)
-    fits = qkv.dim() == 2 and _kernel_takes(qkv, cos, sin, *weights) and _tables_fit(q, cos, sin)
-    if not fits:
+    num_heads, head_dim = num_q_heads + 2 * num_kv_heads, cos.shape[-1]
+    fits = qkv.dim() == 2 and qkv.shape[-1] == num_heads * head_dim
+    fits = fits and _kernel_takes(qkv, cos, sin, *weights)
+    fits = fits and all(tuple(w.shape) == (head_dim,) for w in weights)
+    if not fits or not _tables_fit(qkv.shape[0], head_dim, cos, sin):
         return TORCH_QK_NORM_ROPE(qkv, num_q_heads, num_kv_heads, cos, sin, q_weight, k_weight, eps)
-    qk = qkv.view(qkv.shape[0], -1, q.shape[-1])  # [T, Hq + 2 Hkv, D]: q and k heads first
-    q, k = _launch_norm_rope(qk, num_q_heads, num_kv_heads, cos, sin, q_weight, k_weight, eps)
-    return q, k, v
+    heads = qkv.view(qkv.shape[0], num_heads, head_dim)
+    q, k = _launch_norm_rope(heads, num_q_heads, num_kv_heads, cos, sin, q_weight, k_weight, eps)
+    return q, k, heads[:, num_q_heads + num_kv_heads :]
 
 
 TORCH_QK_NORM_ROPE = elementwise.compose_qk_norm_rope(elementwise.rms_norm, elementwise.rope)

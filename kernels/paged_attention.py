@@ -38,7 +38,7 @@ from .paged_attention_triton import LOG2E
 from .paged_attention_triton import combine_splits_kernel as _combine_splits_kernel
 from .paged_attention_triton import paged_attention_kernel as _paged_attention_kernel
 from .store_kv import store_kv
-from .tensor_meta import TensorMeta, meta_of
+from .tensor_meta import TensorMeta, metas_of, signature
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -125,9 +125,10 @@ class LaunchPlan(NamedTuple):
 
 @functools.lru_cache(maxsize=512)
 def launch_plan(
-    metas: tuple[TensorMeta, ...], num_kv_splits: int | None, config: LaunchConfig | None
+    sig: tuple[tuple, ...], num_kv_splits: int | None, config: LaunchConfig | None
 ) -> LaunchPlan:
-    """Check the inputs (metas of ARGUMENTS, in order) and work out their launch."""
+    """Check the inputs (the signature of ARGUMENTS, in order) and work out their launch."""
+    metas = metas_of(sig)
     named = dict(zip(ARGUMENTS, metas, strict=True))
     _check_inputs(named)
     q, k_cache, v_cache, block_tables = metas[:4]
@@ -173,8 +174,7 @@ def paged_attention(
     1 <= seq_lens[b], query_start_loc nondecreasing from 0 to T, qlen_b <= seq_lens[b], and
     block table entries in range for the first cdiv(seq_lens[b], block_size) blocks."""
     tensors = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    metas = tuple(meta_of(name, t) for name, t in zip(ARGUMENTS, tensors, strict=True))
-    plan = launch_plan(metas, num_kv_splits, config)
+    plan = launch_plan(signature(ARGUMENTS, tensors), num_kv_splits, config)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0 or block_tables.shape[0] == 0:
         return out

@@ -18,9 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .tensor_meta import TensorMeta, meta_of
+from .tensor_meta import TensorMeta, metas_of, signature
 
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ARGUMENTS = ("k", "v", "k_cache", "v_cache", "slot_mapping")
 
 
 @triton.jit
@@ -137,8 +138,9 @@ class StorePlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)
-def store_plan(metas: tuple[TensorMeta, ...]) -> StorePlan:
-    """Check the inputs (metas of k, v, k_cache, v_cache, slot_mapping) and work out the launch."""
+def store_plan(sig: tuple[tuple, ...]) -> StorePlan:
+    """Check the inputs (the signature of ARGUMENTS, in order) and work out the launch."""
+    metas = metas_of(sig)
     _check_inputs(*metas)
     k, v, k_cache, v_cache, _ = metas
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -163,8 +165,7 @@ def store_kv(
 ) -> None:
     """Write k, v [T, Hkv, D] into the caches at flat slots (block * bs + offset); -1 skips.
     Inputs are checked, and the launch worked out, once per signature (store_plan)."""
-    tensors = dict(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
-    plan = store_plan(tuple(meta_of(name, t) for name, t in tensors.items()))
+    plan = store_plan(signature(ARGUMENTS, (k, v, k_cache, v_cache, slot_mapping)))
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return

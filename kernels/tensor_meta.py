@@ -1,6 +1,8 @@
 """What the Triton wrappers' checks and launch plans read of a tensor (shape, strides, dtype,
 device), as a hashable value: each wrapper checks its inputs and works out its grid, strides and
-compile-time parameters once per distinct tuple of these, not once per call."""
+compile-time parameters once per distinct signature (one such tuple per tensor argument), not
+once per call. The signature is built of plain tuples, the cheapest to build and hash; the plan
+reads them as TensorMeta."""
 
 from __future__ import annotations
 
@@ -25,3 +27,19 @@ def meta_of(name: str, t: object) -> TensorMeta:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     return TensorMeta(t.shape, t.stride(), t.dtype, t.device)
+
+
+def signature(names: tuple[str, ...], tensors: tuple) -> tuple[tuple, ...]:
+    """(shape, strides, dtype, device) of each tensor: TensorMeta's fields, as plain tuples.
+    ValueError naming the first argument that is no tensor."""
+    try:
+        return tuple([(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+    except (AttributeError, TypeError):
+        for name, t in zip(names, tensors, strict=True):
+            meta_of(name, t)
+        raise
+
+
+def metas_of(sig: tuple[tuple, ...]) -> tuple[TensorMeta, ...]:
+    """A signature's entries as TensorMeta."""
+    return tuple(TensorMeta._make(entry) for entry in sig)
