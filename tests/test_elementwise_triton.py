@@ -199,3 +199,23 @@ def test_model_with_triton_elementwise_gives_torchs_greedy_tokens(kind):
     (want_tokens, want_logits), (tokens, logits) = runs
     assert tokens == want_tokens
     torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_model_as_the_worker_builds_it_on_cuda_matches_transformers():
+    """Triton attention and Triton elementwise steps together (elementwise_ops' choice), on
+    tiny-qwen3 (q/k norm), against transformers: the chunked-prefill-then-decode schedule of
+    tests/test_model.py, logits within its tolerance and the same greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from actorserve.checkpoints import ensure_checkpoint
+    from model_support import check_chunked_prefill_then_decode
+
+    path = ensure_checkpoint("tiny-qwen3")
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    ops = attention_ops(DEVICE, "triton")
+    with torch_threads(1):
+        ours, config = load_model(path, DEVICE, torch.float32, ops, elementwise_ops(ops))
+        assert ours.elementwise is TRITON_ELEMENTWISE
+        check_chunked_prefill_then_decode(hf, ours, config, DEVICE)
