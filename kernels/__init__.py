@@ -4,6 +4,8 @@ Backends: `triton` (kernels/paged_attention.py, store_kv.py), `cpu` (kernels/cpu
 kernels over the paged cache, torch's fused CPU attention where they cannot serve; the CPU fast
 path's), `reference` (kernels/reference.py: the plain torch oracle the others are tested against).
 `auto`: triton on CUDA; on the CPU, cpu with the fast path's C kernels, reference without them.
+The elementwise steps follow the attention backend (`elementwise_ops`): Triton's fused kernels
+with triton, plain torch otherwise (the CPU fast path brings its own C ones).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from . import reference
+from .elementwise import TORCH_ELEMENTWISE, ElementwiseOps
 
 
 class AttentionOps(NamedTuple):
@@ -51,3 +54,13 @@ def attention_ops(
     from . import paged_attention, store_kv  # Triton imports only where they are used
 
     return AttentionOps("triton", store_kv.store_kv, paged_attention.paged_attention)
+
+
+def elementwise_ops(attention: AttentionOps) -> ElementwiseOps:
+    """The elementwise bundle that goes with `attention` (what attention_ops picked): the fused
+    Triton kernels with the triton backend, plain torch with the others."""
+    if attention.name == "triton":
+        from .elementwise_triton import TRITON_ELEMENTWISE  # Triton imports only where used
+
+        return TRITON_ELEMENTWISE
+    return TORCH_ELEMENTWISE

@@ -128,7 +128,9 @@ def attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+# Triton compiles apart integer arguments equal to 1 or divisible by 16; the batch's sequence
+# count and block table width change every step, so they are not specialised on.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def paged_attention_kernel(
     q_ptr,
     k_cache_ptr,

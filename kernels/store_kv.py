@@ -11,11 +11,17 @@ Token t lands in k_cache[slot // block_size, slot % block_size] (all heads). Slo
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
+from .tensor_meta import TensorMeta, metas_of, signature
+
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ARGUMENTS = ("k", "v", "k_cache", "v_cache", "slot_mapping")
 
 
 @triton.jit
@@ -76,17 +82,15 @@ def _store_kv_kernel(
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_inputs(k, v, k_cache, v_cache, slot_mapping) -> None:
+def _check_inputs(k, v, k_cache, v_cache, slot_mapping: TensorMeta) -> None:
     """Raise ValueError naming the argument and what was expected."""
     tensors = dict(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.device != k_cache.device:
             raise ValueError(
                 f"{name} is on {t.device} but k_cache is on {k_cache.device}; expected one device"
             )
-    if k_cache.dim() != 4:
+    if k_cache.ndim != 4:
         raise ValueError(
             f"k_cache must be [num_blocks, block_size, Hkv, D] (4 dims), got {tuple(k_cache.shape)}"
         )
@@ -100,7 +104,7 @@ def _check_inputs(k, v, k_cache, v_cache, slot_mapping) -> None:
                 f"{name} dtype must be float16, bfloat16 or float32, got {tensors[name].dtype}"
             )
     _, _, num_kv_heads, head_dim = k_cache.shape
-    if k.dim() != 3 or tuple(k.shape[1:]) != (num_kv_heads, head_dim):
+    if k.ndim != 3 or tuple(k.shape[1:]) != (num_kv_heads, head_dim):
         raise ValueError(
             f"k must be [T, Hkv, D] = [T, {num_kv_heads}, {head_dim}] to match k_cache, "
             f"got {tuple(k.shape)}"
@@ -111,10 +115,10 @@ def _check_inputs(k, v, k_cache, v_cache, slot_mapping) -> None:
         if not tensors[name].dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating tensor, got {tensors[name].dtype}")
     for name in ("k", "v", "k_cache", "v_cache"):
-        if tensors[name].stride(-1) != 1:
+        if tensors[name].stride[-1] != 1:
             raise ValueError(
                 f"{name} must be contiguous in its last (head_dim) dimension, "
-                f"got strides {tuple(tensors[name].stride())}"
+                f"got strides {tuple(tensors[name].stride)}"
             )
     if slot_mapping.dtype not in (torch.int32, torch.int64) or tuple(slot_mapping.shape) != (
         k.shape[0],
@@ -125,6 +129,33 @@ def _check_inputs(k, v, k_cache, v_cache, slot_mapping) -> None:
         )
 
 
+class StorePlan(NamedTuple):
+    """A call's launch but for the tensors: its scalar arguments (slot count, then the strides
+    of k, v, k_cache, v_cache) and compile-time parameters."""
+
+    scalars: tuple[int, ...]
+    consts: dict
+
+
+@functools.lru_cache(maxsize=256)
+def store_plan(sig: tuple[tuple, ...]) -> StorePlan:
+    """Check the inputs (the signature of ARGUMENTS, in order) and work out the launch."""
+    metas = metas_of(sig)
+    _check_inputs(*metas)
+    k, v, k_cache, v_cache, _ = metas
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    scalars = (num_blocks * block_size,) + k.stride[:2] + v.stride[:2]
+    scalars += k_cache.stride[:3] + v_cache.stride[:3]
+    consts = dict(
+        NUM_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+    )
+    return StorePlan(scalars, consts)
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -132,35 +163,20 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write k, v [T, Hkv, D] into the caches at flat slots (block * bs + offset); -1 skips."""
-    _check_inputs(k, v, k_cache, v_cache, slot_mapping)
+    """Write k, v [T, Hkv, D] into the caches at flat slots (block * bs + offset); -1 skips.
+    Inputs are checked, and the launch worked out, once per signature (store_plan)."""
+    plan = store_plan(signature(ARGUMENTS, (k, v, k_cache, v_cache, slot_mapping)))
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    slot_mapping = slot_mapping.contiguous()
     _store_kv_kernel[(num_tokens,)](
         k,
         v,
         k_cache,
         v_cache,
-        slot_mapping,
-        num_blocks * block_size,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        NUM_HEADS=num_kv_heads,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim,
-        D_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
+        slot_mapping.contiguous(),
+        *plan.scalars,
+        **plan.consts,
         num_warps=4,
     )
 

@@ -129,7 +129,8 @@ def _bench(fn) -> float:
 def _case(kind: str, batch: int, context: int, peak_tbps: float) -> Row:
     import torch
 
-    from actorserve.kernels.paged_attention import choose_config, paged_attention
+    from actorserve.kernels.attention_config import choose_config
+    from actorserve.kernels.paged_attention import paged_attention
 
     dev = torch.device("cuda")
     dtype = torch.bfloat16

@@ -65,7 +65,7 @@ def instrument(runner, timer: OpTimer) -> None:
     model, fast = runner.model, runner.fast_path
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.rope = timer.wrap("RoPE (q and k)", attn.rope)
+        attn.qk_norm_rope = timer.wrap("q/k norm + RoPE", attn.qk_norm_rope)
         mlp.silu_mul = timer.wrap("SiLU x up", mlp.silu_mul)
         attn.ops = attn.ops._replace(
             store_kv=timer.wrap("store_kv", attn.ops.store_kv),

@@ -1,6 +1,7 @@
 """Ahead-of-time compilation of the Triton kernels for a CUDA arch, without a GPU: every
-configuration scripts/bench_kernels.py --compile-only hands over, each checked against the
-arch's shared memory per block (the interpreter the tests use never compiles)."""
+configuration scripts/bench_kernels.py --compile-only hands over, the KV store and the fused
+elementwise kernels, each checked against the arch's shared memory per block (the interpreter
+the tests use never compiles)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _compile(
         elif name.endswith("_ptr"):
             signature[name] = pointer_types.get(name, "*i32")
             attrs[(i,)] = [["tt.divisibility", 16]]  # what the launcher sees for torch tensors
-        elif name == "qk_scale":
+        elif name in ("qk_scale", "eps"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
@@ -46,12 +47,50 @@ def _compile(
     )
 
 
+def _elementwise_jobs() -> list[tuple]:
+    """The fused elementwise kernels (kernels/elementwise_triton.py) in the tilings their
+    wrappers pick for Qwen3-0.6B- and Llama-3-8B-sized rows, and an odd head_dim, each dtype."""
+    import triton
+
+    from actorserve.kernels import elementwise_triton as ew
+
+    jobs = []
+    for dtype in ("bf16", "fp16", "fp32"):
+        ptrs = {}.fromkeys(
+            ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "sum_ptr", "gate_up_ptr"),
+            f"*{dtype}",
+        )
+        ptrs.update(
+            {}.fromkeys(("q_out_ptr", "k_out_ptr", "q_weight_ptr", "k_weight_ptr"), f"*{dtype}")
+        )
+        ptrs.update({}.fromkeys(("cos_ptr", "sin_ptr"), f"*{dtype}"))
+        for hidden, inter in ((1024, 3072), (4096, 14336)):
+            block_d, block_rows, warps = ew._norm_tiling(hidden)
+            for residual in (False, True):
+                consts = dict(
+                    DIM=hidden, BLOCK_D=block_d, BLOCK_ROWS=block_rows, HAS_RESIDUAL=residual
+                )
+                jobs.append((f"rms_norm {dtype}", ew._rms_norm_kernel, ptrs, consts, warps, 1))
+            consts = dict(INTER=inter, BLOCK=min(ew.SILU_BLOCK, triton.next_power_of_2(inter)))
+            jobs.append((f"silu_mul {dtype}", ew._silu_mul_kernel, ptrs, consts, 4, 1))
+        for heads, kv_heads, head_dim, norm in (
+            (16, 8, 128, True),
+            (32, 8, 128, False),
+            (6, 3, 80, True),
+        ):
+            d_pad, block_h, _ = ew._norm_rope_tiling(head_dim, heads, kv_heads)
+            consts = dict(HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_H=block_h, HAS_NORM=norm)
+            jobs.append((f"qk_norm_rope {dtype}", ew._qk_norm_rope_kernel, ptrs, consts, 4, 1))
+    return jobs
+
+
 def run(cases, arch: int, store_kv_heads: int, store_kv_block_size: int) -> int:
     """Compile every configuration the cases (bench_kernels._compile_cases' tuples) make the
     wrapper pick, and the KV store, for sm_<arch>; 1 when one fails or overflows shared
     memory."""
     import torch
 
+    from actorserve.kernels import attention_config
     from actorserve.kernels import paged_attention as attention
     from actorserve.kernels import store_kv as store
 
@@ -64,8 +103,8 @@ def run(cases, arch: int, store_kv_heads: int, store_kv_block_size: int) -> int:
         cache = torch.empty((1, block_size, hkv, head_dim), dtype=q.dtype, device="meta")
         tables = torch.empty((batch, max_blocks), dtype=torch.int32, device="meta")
         for sms in (132, 0):  # the H200's split choice, and no split
-            config = attention.choose_config(q, cache, tables, num_sms=sms)
-            consts, combine = attention.kernel_constexprs(
+            config = attention_config.choose_config(q, cache, tables, num_sms=sms)
+            consts, combine = attention_config.kernel_constexprs(
                 head_dim, hq // hkv, block_size, dtype == "fp32", config
             )
             ptrs = {n: f"*{dtype}" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
@@ -108,6 +147,8 @@ def run(cases, arch: int, store_kv_heads: int, store_kv_block_size: int) -> int:
             BLOCK_SIZE=store_kv_block_size,
         )
         jobs.append((f"store_kv {dtype}", store._store_kv_kernel, ptrs, consts, 4, 1))
+
+    jobs += _elementwise_jobs()
 
     print(f"compiling for sm_{arch} (shared memory limit {limit} bytes)")
     for label, kernel, ptrs, consts, warps, stages in jobs:

@@ -1,7 +1,9 @@
-"""Both bundles of elementwise steps the model may be built with give Hugging Face's Llama math:
-the plain torch one (kernels/elementwise.py) and the CPU fast path's (kernels/cpu/elementwise.py:
-C for fp32 CPU tensors, the torch one for the rest). RMSNorm with and without its residual add,
-SiLU-and-multiply, and the rotary embedding (to the bit)."""
+"""Every bundle of elementwise steps the model may be built with gives Hugging Face's Llama math:
+the plain torch one (kernels/elementwise.py), the CPU fast path's (kernels/cpu/elementwise.py:
+C for fp32 CPU tensors, the torch one for the rest) and the fused Triton one
+(kernels/elementwise_triton.py, in the interpreter on CPU). RMSNorm with and without its residual
+add, SiLU-and-multiply, and the rotary embedding (to the bit). The Triton bundle in half
+precision and the fused q/k norm + rope: tests/test_elementwise_triton.py."""
 
 from __future__ import annotations
 
@@ -12,8 +14,11 @@ import torch.nn.functional as F
 from actorserve.kernels.cpu import bindings
 from actorserve.kernels.cpu.elementwise import C_ELEMENTWISE
 from actorserve.kernels.elementwise import TORCH_ELEMENTWISE, ElementwiseOps
+from actorserve.kernels.elementwise_triton import TRITON_ELEMENTWISE
 
 TOL = dict(rtol=2e-6, atol=2e-6)
+# the interpreter's numpy warns where exp(-gate) overflows to inf: silu is then -0, as torch's
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -21,7 +26,9 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
 
 
-@pytest.fixture(params=[C_ELEMENTWISE, TORCH_ELEMENTWISE], ids=lambda ops: ops.name)
+@pytest.fixture(
+    params=[C_ELEMENTWISE, TORCH_ELEMENTWISE, TRITON_ELEMENTWISE], ids=lambda ops: ops.name
+)
 def elementwise(request) -> ElementwiseOps:
     return request.param
 

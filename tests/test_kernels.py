@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from actorserve.kernels import reference
-from actorserve.kernels.paged_attention import LaunchConfig, choose_config, paged_attention
+from actorserve.kernels.attention_config import LaunchConfig, choose_config
+from actorserve.kernels.paged_attention import paged_attention
 from kernel_support import (
     DEVICE,
     TOLERANCES,

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zmq
 
-from ...kernels import attention_ops
+from ...kernels import attention_ops, elementwise_ops
 from ...messages.codec import DecodeError, Decoder, WorkerInbox, WorkerStepsInbox, encode
 from ...messages.control import Ready, Reset, Stop
 from ...messages.step import StepPlan, StepResult
@@ -56,7 +56,6 @@ def build_runner(cfg: EngineConfig):
     import torch
 
     from ...kernels.cpu.fast_path import CpuFastPath
-    from ...kernels.elementwise import TORCH_ELEMENTWISE
     from ..model_config import ModelConfig
     from . import dtypes
     from .kv_cache import KVCache
@@ -76,8 +75,12 @@ def build_runner(cfg: EngineConfig):
             f"kv_cache_dtype must be the model's dtype ({dtype}) with the triton attention "
             f"backend, got {kv_dtype}"
         )
-    elementwise = TORCH_ELEMENTWISE if fast_path is None else fast_path.elementwise
+    elementwise = elementwise_ops(ops) if fast_path is None else fast_path.elementwise
     model, shape = load_model(cfg.model, device, dtype, ops, elementwise)
+    if device.type == "cuda" and ops.name == "triton":  # no request waits for a compile
+        from ...kernels.triton_warm_up import warm_up_triton
+
+        warm_up_triton(shape, cfg.block_size, dtype, device)
     layout = (shape.num_layers, cfg.block_size, shape.num_kv_heads, shape.head_dim)
     block_bytes = KVCache.block_bytes(*layout, kv_dtype)
     num_blocks = cfg.num_kv_blocks or max(1, kv_budget_bytes(cfg, device) // block_bytes)

@@ -44,4 +44,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return elementwise.rope(x, cos, sin)
 
 
-C_ELEMENTWISE = ElementwiseOps("cpu", rms_norm, rope, silu_mul)
+C_ELEMENTWISE = ElementwiseOps(
+    "cpu", rms_norm, rope, silu_mul, elementwise.compose_qk_norm_rope(rms_norm, rope)
+)

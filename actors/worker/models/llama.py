@@ -4,10 +4,10 @@ The step is flat: T tokens from B sequences, laid out sequence after sequence. A
 through `ops` (kernels.attention_ops): store_kv writes this step's K/V into the paged cache, then
 paged_attention reads each sequence's whole context back through its block table. The norms,
 rope and SiLU-and-multiply go through `elementwise` (kernels.elementwise.ElementwiseOps: plain
-torch unless a backend gives its own, as the CPU fast path does). Nothing here knows a backend:
-the CPU fast path (kernels/cpu/fast_path.py) lays out and packs these weights itself. Parameter
-names follow Hugging Face's, except the fused `qkv_proj` (rows q, k, v) and `gate_up_proj` (rows
-gate, up); the loader concatenates the checkpoint's tensors to match.
+torch unless a backend gives its own, as the CPU fast path and the Triton kernels do). Nothing
+here knows a backend: the CPU fast path (kernels/cpu/fast_path.py) lays out and packs these
+weights itself. Parameter names follow Hugging Face's, except the fused `qkv_proj` (rows q, k, v)
+and `gate_up_proj` (rows gate, up); the loader concatenates the checkpoint's tensors to match.
 """
 
 from __future__ import annotations
@@ -108,14 +108,14 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, ops: AttentionOps, elementwise: ElementwiseOps):
         super().__init__()
         self.ops = ops
-        self.rope = elementwise.rope  # neox-style, the tables' layout: see RotaryEmbedding
+        # q/k norm and neox-style rope in one step (the tables' layout: see RotaryEmbedding)
+        self.qk_norm_rope = elementwise.qk_norm_rope
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.sizes = [config.q_size, config.kv_size, config.kv_size]
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.sizes), bias=config.qkv_bias)
+        qkv_size = config.q_size + 2 * config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
-        if config.qk_norm:
+        if config.qk_norm:  # their weights; qk_norm_rope applies them
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, elementwise)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, elementwise)
         else:
@@ -128,20 +128,19 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q_weight = k_weight = None
+        eps = 0.0
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, *rope), self.rope(k, *rope)  # each contiguous, as attention reads q
+            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        q, k, v = self.qk_norm_rope(
+            self.qkv_proj(x), self.num_heads, self.num_kv_heads, *rope, q_weight, k_weight, eps
+        )  # q, k contiguous, as attention reads q; v a view of the projection
         k_cache, v_cache = kv_cache
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
         )
-        return self.o_proj(out.reshape(T, -1))
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
