@@ -219,10 +219,10 @@ def part_sweep(check: Check) -> dict:
 
 
 def part_kernels(check: Check) -> dict:
-    import gpu_check_sweep as sweep
+    from kernel_variants import compiled_variants
 
     if check.device != "cuda":
-        return {"needs_cuda": True, "compiled_variants": sweep.compiled_variants()}
+        return {"needs_cuda": True, "compiled_variants": compiled_variants()}
     import bench_kernels
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -239,7 +239,7 @@ def part_kernels(check: Check) -> dict:
         "decode_pct_of_copy_bandwidth": {
             f"{r['batch']}x{r['context']}": r["pct_peak"] for r in decode
         },
-        "compiled_variants": sweep.compiled_variants(),
+        "compiled_variants": compiled_variants(),
     }
 
 

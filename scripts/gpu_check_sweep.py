@@ -23,6 +23,7 @@ from pathlib import Path
 
 import bench_common as bc
 from bench_step import prefill
+from kernel_variants import compiled_variants
 
 LAUNCH_CALLS = {
     "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
@@ -75,35 +76,6 @@ def trace_summary(trace: dict, steps: int, wall_s: float) -> dict:
         "gpu_busy_ms": busy_ms,
         "gpu_idle_ms": max(0.0, wall_ms - busy_ms) if device else None,
     }
-
-
-def compiled_variants() -> dict[str, int]:
-    """Compiled kernels of each Triton function of actorserve.kernels loaded in this process
-    (its JIT caches, summed over devices); none under TRITON_INTERPRET."""
-    import sys
-
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        return {}
-    counts, seen = {}, set()
-    for module_name, module in list(sys.modules.items()):
-        if not module_name.startswith("actorserve.kernels") or module is None:
-            continue
-        for value in list(vars(module).values()):
-            fn = value
-            while not isinstance(fn, JITFunction) and hasattr(fn, "fn"):
-                fn = fn.fn  # an Autotuner or Heuristics around the JITFunction
-            if not isinstance(fn, JITFunction) or id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            caches = getattr(fn, "device_caches", None)
-            if caches is not None:
-                count = sum(len(entry[0]) for entry in caches.values())
-            else:
-                count = sum(len(c) for c in getattr(fn, "cache", {}).values())
-            counts[f"{fn.fn.__module__}.{fn.fn.__name__}"] = count
-    return counts
 
 
 def build(model_dir: Path, device: str, enforce_eager: bool, sizes: SweepSizes):

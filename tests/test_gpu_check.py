@@ -140,3 +140,24 @@ def test_a_dry_run_writes_every_section_on_the_cpu(tmp_path):
     assert e2e["output_tokens"] == e2e["expected_output_tokens"] > 0
     assert e2e["output_tok_s"] > 0 and 0 < e2e["share_of_floor"]
     assert e2e["max_num_seqs"] == 64  # the CPU default, resolved from the Worker's device
+
+
+def _kernel(x_ptr):
+    pass
+
+
+def test_compiled_variants_counts_each_triton_functions_jit_cache(monkeypatch):
+    """What a GPU run reports: the JIT cache size of every actorserve.kernels Triton function,
+    through the wrappers (autotuners) around one."""
+    import types
+
+    from kernel_variants import compiled_variants
+    from triton.runtime.jit import JITFunction
+
+    kernel = JITFunction(_kernel)
+    kernel.device_caches = {0: ({"splits=1": None, "splits=2": None, "splits=4": None}, None)}
+    module = types.ModuleType("actorserve.kernels.fake_for_test")
+    module.kernel = kernel
+    module.tuned = types.SimpleNamespace(fn=kernel)  # the same function: counted once
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    assert compiled_variants()[f"{__name__}._kernel"] == 3
