@@ -6,6 +6,7 @@ CUDA; max_num_seqs and torch_threads default by the Worker's device, resolved on
 from __future__ import annotations
 
 import os
+import types
 
 import msgspec
 import pytest
@@ -58,6 +59,32 @@ def test_swap_space_is_swap_space_gb_on_cuda_and_the_cache_size_on_cpu():
     assert swap_blocks(forced, "cuda", 500, BLOCK_BYTES) == swap_blocks(forced, "cpu", 5, 1) == 7
     recompute = EngineConfig(model="m", swap_space_gb=4.0)
     assert swap_blocks(recompute, "cuda", 500, BLOCK_BYTES) == 0
+
+
+def test_on_cuda_blocks_come_from_num_kv_blocks_then_kv_cache_memory_gb_then_the_profile(
+    monkeypatch,
+):
+    from actorserve.actors.worker import sizing
+
+    profiled = []
+
+    def profile(config, model, layout, dtype, device):
+        profiled.append(config.max_num_seqs)
+        return DeviceMemory(total=100 * GIB, peak=10 * GIB, non_torch=GIB)
+
+    monkeypatch.setattr(sizing, "profile_cuda_memory", profile)
+    cuda = types.SimpleNamespace(type="cuda")
+    layout = (28, 16, 8, 128)
+    config = EngineConfig(model="m").resolve_device("cuda")
+    blocks = sizing.device_kv_blocks(config, None, layout, torch.bfloat16, cuda)
+    assert blocks == (90 * GIB - 11 * GIB) // BLOCK_BYTES and profiled == [256]
+    by_size = msgspec.structs.replace(config, kv_cache_memory_gb=2.0)
+    assert sizing.device_kv_blocks(by_size, None, layout, torch.bfloat16, cuda) == (
+        2 * GIB // BLOCK_BYTES
+    )
+    by_count = msgspec.structs.replace(by_size, num_kv_blocks=5)
+    assert sizing.device_kv_blocks(by_count, None, layout, torch.bfloat16, cuda) == 5
+    assert profiled == [256]  # neither override profiles
 
 
 def test_unset_max_num_seqs_and_torch_threads_resolve_by_the_device():
