@@ -161,11 +161,13 @@ def junit_summary(path: Path) -> dict:
 
 def part_tests(check: Check) -> dict:
     files = gpu_test_files()
+    root = setup.test_root()
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         command = [
             sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-            "--continue-on-collection-errors", f"--junitxml={junit}", *files,
+            "--rootdir", str(root), "--continue-on-collection-errors", f"--junitxml={junit}",
+            *[str(root / f) for f in files],
         ]  # fmt: skip
         if check.dry:
             command.append("--collect-only")

@@ -69,21 +69,34 @@ def install_wheels(wheels: Path) -> dict:
     return report
 
 
+def linked_repo() -> Path:
+    """IMPORT_ROOT/actorserve, a link to this checkout (made here if missing)."""
+    IMPORT_ROOT.mkdir(parents=True, exist_ok=True)
+    link = IMPORT_ROOT / "actorserve"
+    if link.is_symlink() and link.resolve() != REPO:
+        link.unlink()
+    if not link.exists():
+        link.symlink_to(REPO, target_is_directory=True)
+    return link
+
+
 def make_importable() -> str:
     """`import actorserve` loads this checkout: where it does not already (no `pip install -e`
-    there), a folder holding an `actorserve` link to the repository goes on the import path."""
+    there), IMPORT_ROOT, the folder of linked_repo(), goes on the import path."""
     spec = importlib.util.find_spec("actorserve")
     if spec is None or Path(spec.origin or "").resolve().parent != REPO:
-        IMPORT_ROOT.mkdir(parents=True, exist_ok=True)
-        link = IMPORT_ROOT / "actorserve"
-        if link.is_symlink() and link.resolve() != REPO:
-            link.unlink()
-        if not link.exists():
-            link.symlink_to(REPO, target_is_directory=True)
+        linked_repo()
         prepend_path("PYTHONPATH", IMPORT_ROOT)
     import actorserve
 
     return actorserve.__file__
+
+
+def test_root() -> Path:
+    """Where pytest is to find the tests: the checkout, unless its folder's name is no Python
+    identifier (pytest imports the checkout's own __init__.py as a package of that name, which
+    then fails); then the checkout through linked_repo(), named `actorserve`."""
+    return REPO if REPO.name.isidentifier() else linked_repo()
 
 
 def machine_facts() -> dict:
