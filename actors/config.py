@@ -1,8 +1,9 @@
 """One place for the engine's settings, the actors' addresses and the model facts they share.
 
 The supervisor builds an `EngineConfig` from the user's flags, resolves what depends on the
-checkpoint (`ModelFacts`) and on the Worker's memory measurement (`num_kv_blocks`), and hands the
-resolved config to every actor it starts.
+checkpoint (`ModelFacts`), on the Worker's device (`max_num_seqs`, `torch_threads`: see
+`resolve_device`) and on its memory measurement (`num_kv_blocks`), and hands the resolved config
+to every actor it starts after the Worker.
 
 Each field says what it is in its `Meta(description=...)`: `actorserve serve --help` shows that
 text, and the flag (`--block-size` for `block_size`) is generated from the field (config_flags.py).
@@ -11,6 +12,7 @@ A field marked `extra=NOT_A_FLAG` is resolved by the engine, not set by the user
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
@@ -30,6 +32,12 @@ VictimPolicy = Literal["fewest_computed", "last_admitted"]
 GreedyHeadScreen = Literal["auto", "int8", "bf16", "off"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KvCacheDtype = Literal["auto", "bfloat16", "float32"]
+# max_num_seqs when unset: a GPU step reads every weight once whatever its batch, so a wide
+# batch is nearly free there; a CPU step's GEMMs grow with it.
+DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
+# torch_threads when unset on CUDA: the host thread only launches kernels, and more threads
+# would take cores from the other actors (the CPU default is every core).
+CUDA_TORCH_THREADS = 1
 PREEMPTION_MODES = get_args(PreemptionMode)
 VICTIM_POLICIES = get_args(VictimPolicy)
 GREEDY_HEAD_SCREENS = get_args(GreedyHeadScreen)
@@ -74,9 +82,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = None
     kv_cache_memory_gb: Annotated[
         float | None,
-        Meta(description="KV cache size; unset: 1 GiB on CPU, 90% of free memory on CUDA"),
+        Meta(
+            description="KV cache size; unset: 1 GiB on CPU (at most a quarter of the free "
+            "memory), on CUDA what gpu_memory_utilization leaves after a profiling step"
+        ),
     ] = None
-    max_num_seqs: Annotated[int, Meta(description="sequences running in one step")] = 64
+    max_num_seqs: Annotated[
+        int | None,
+        Meta(
+            description="sequences running in one step; unset: 256 on CUDA, 64 on CPU (at most "
+            "max_num_batched_tokens)"
+        ),
+    ] = None
     max_num_batched_tokens: Annotated[
         int, Meta(description="tokens in one step (prefill chunks and decodes together)")
     ] = 2048
@@ -147,7 +164,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = 1.0
     num_cpu_blocks: Annotated[
         int | None,
-        Meta(description="swap space in blocks; unset: as many as the KV cache in swap mode"),
+        Meta(
+            description="swap space in blocks (swap mode); unset: swap_space_gb on CUDA, as many "
+            "as the KV cache on CPU"
+        ),
     ] = None
     # The Worker's device and kernels
     device: Annotated[
@@ -171,7 +191,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = "auto"
     torch_threads: Annotated[
-        int | None, Meta(description="the Worker's torch threads; unset: every core")
+        int | None, Meta(description="the Worker's torch threads; unset: every core, 1 on CUDA")
     ] = None
     # CUDA only
     enforce_eager: Annotated[
@@ -273,7 +293,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Raise ValueError naming the first setting out of range."""
         checks = [
             ("block_size", self.block_size in (8, 16, 32, 64), "one of 8, 16, 32, 64"),
-            ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+            ("max_num_seqs", self.max_num_seqs is None or self.max_num_seqs >= 1, ">= 1"),
+            ("torch_threads", self.torch_threads is None or self.torch_threads >= 1, ">= 1"),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "in (0, 1]"),
             ("swap_space_gb", self.swap_space_gb >= 0.0, ">= 0"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
@@ -310,7 +331,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ),
             (
                 "max_num_batched_tokens",
-                self.max_num_batched_tokens >= self.max_num_seqs,
+                self.max_num_seqs is None or self.max_num_batched_tokens >= self.max_num_seqs,
                 f">= max_num_seqs ({self.max_num_seqs}) so every running decode fits in a step",
             ),
         ]
@@ -329,6 +350,23 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         return msgspec.structs.replace(self, facts=facts, max_model_len=max_len)
 
+    def resolve_device(self, device_type: str) -> EngineConfig:
+        """Fill the settings whose default depends on the Worker's device ("cuda", else CPU):
+        `max_num_seqs` (DEFAULT_MAX_NUM_SEQS, at most max_num_batched_tokens, so that a default
+        never fails the check that every running decode fits in a step) and `torch_threads`
+        (CUDA_TORCH_THREADS on CUDA, every core on CPU). Settings the user gave stay, and
+        validate() passes on the result wherever it passed before (what it fills is in range).
+        The Worker resolves its own config with it, and the supervisor, once the Worker's Ready
+        names its device, the one every later actor gets: the same rule."""
+        kind = "cuda" if device_type == "cuda" else "cpu"
+        max_num_seqs = self.max_num_seqs
+        if max_num_seqs is None:
+            max_num_seqs = min(DEFAULT_MAX_NUM_SEQS[kind], self.max_num_batched_tokens)
+        threads = self.torch_threads
+        if threads is None:
+            threads = CUDA_TORCH_THREADS if kind == "cuda" else os.cpu_count() or 1
+        return msgspec.structs.replace(self, max_num_seqs=max_num_seqs, torch_threads=threads)
+
     def resolve_kv_blocks(self, num_kv_blocks: int, num_cpu_blocks: int = 0) -> EngineConfig:
         """Fix the block count the Worker measured; every sequence must fit in the cache alone."""
         capacity = num_kv_blocks * self.block_size
@@ -336,7 +374,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"the KV cache holds {capacity} tokens ({num_kv_blocks} blocks of "
                 f"{self.block_size}), less than max_model_len={self.max_model_len}: raise "
-                f"kv_cache_memory_gb / num_kv_blocks or lower max_model_len"
+                f"gpu_memory_utilization (CUDA), kv_cache_memory_gb or num_kv_blocks, or lower "
+                f"max_model_len"
             )
         return msgspec.structs.replace(
             self, num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks

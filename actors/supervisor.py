@@ -1,7 +1,8 @@
 """The supervisor: starts the four actor processes in order, watches them, stops them in order.
 
-Start: Worker first (it measures the KV cache and reports num_kv_blocks in Ready), then the
-BlockManager (sized from that), the Scheduler, and last the Engine (which opens the clients' door).
+Start: Worker first (it measures the KV cache and reports num_kv_blocks and its device in Ready:
+the defaults that depend on the device are resolved from it), then the BlockManager (sized from
+that), the Scheduler, and last the Engine (which opens the clients' door).
 Each must send Ready within `ready_timeout_s`, or start-up fails naming the actor.
 
 While serving: an actor that exits, or misses 3 heartbeats (hung, SIGSTOPped: it is killed), is
@@ -98,7 +99,7 @@ class Supervisor:
                 self._spawn(name)
                 ready = await self._wait_ready(name)
                 if name == "worker":
-                    self.config = self.config.resolve_kv_blocks(
+                    self.config = self.config.resolve_device(ready.device).resolve_kv_blocks(
                         ready.num_kv_blocks, ready.num_cpu_blocks
                     )
         except BaseException:

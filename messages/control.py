@@ -8,13 +8,15 @@ from .common import PROTOCOL_VERSION
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
-    """Sent once by each actor when it can take work. The Worker reports its KV cache size."""
+    """Sent once by each actor when it can take work. The Worker reports its KV cache size and
+    the device type it serves on ("cuda", "cpu"), which settings' defaults depend on."""
 
     actor: str
     pid: int
     protocol_version: int = PROTOCOL_VERSION
     num_kv_blocks: int = 0
     num_cpu_blocks: int = 0
+    device: str = ""
 
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True):

@@ -308,6 +308,9 @@ def run_benchmark(args) -> int:
     _print_table(rows, args.peak_tbps)
     print()
     ok = _goals(rows)
+    from kernel_variants import compiled_variants  # scripts/, this script's folder
+
+    print(f"compiled Triton variants: {compiled_variants()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)

@@ -25,9 +25,10 @@ PREFIXES = ([5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [9, 9, 9, 9, 9, 9], [])  # shared 
 
 
 def planner_config(**fields) -> EngineConfig:
+    """A config as the supervisor hands it to the Scheduler: resolved for a CPU Worker."""
     fields.setdefault("max_model_len", 48)
     facts = ModelFacts(VOCAB, fields["max_model_len"], [EOS])
-    return EngineConfig(model="in-process", facts=facts, **fields)
+    return EngineConfig(model="in-process", facts=facts, **fields).resolve_device("cpu")
 
 
 @dataclass

@@ -64,8 +64,9 @@ def smallest_greedy_margin(model_dir: Path, prompt_ids: list[int], max_new_token
 
 
 def hf_generate(model, prompt_ids, max_new_tokens: int, **options):
-    """`model.generate` greedy on one unpadded prompt; `options` go to generate as they are."""
-    ids = torch.tensor([list(prompt_ids)])
+    """`model.generate` greedy on one unpadded prompt (on the model's device); `options` go to
+    generate as they are."""
+    ids = torch.tensor([list(prompt_ids)], device=model.device)
     with torch.inference_mode():
         return model.generate(
             ids,

@@ -39,17 +39,24 @@ needs_bf16_cpu = pytest.mark.skipif(
 
 
 @functools.cache
-def hf_bf16(model_dir: Path):
+def hf_bf16(model_dir: Path, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    return model.to(device).eval()
 
 
-def hf_greedy_top(model_dir: Path, prompt: list[int]) -> tuple[list[int], list[set[int]]]:
-    """Transformers' greedy continuation in bf16 and the top-5 token ids at each position
-    (log_softmax of its logits, as the engine reports them)."""
+def hf_greedy_top(
+    model_dir: Path, prompt: list[int], device: str = "cpu"
+) -> tuple[list[int], list[set[int]]]:
+    """Transformers' greedy continuation in bf16 (on `device`) and the top-5 token ids at each
+    position (log_softmax of its logits, as the engine reports them)."""
     out = hf_generate(
-        hf_bf16(model_dir), prompt, MAX_TOKENS, output_logits=True, return_dict_in_generate=True
+        hf_bf16(model_dir, device),
+        prompt,
+        MAX_TOKENS,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
     tops = [
@@ -72,13 +79,17 @@ def engine_greedy_top(address: str, prompts) -> list[tuple[list[int], list[set[i
     return asyncio.run(run())
 
 
-def identical_prefix(model_dir: Path, engine: EngineServer) -> list[int]:
-    """Check every prompt by the criterion (module docstring); -> each one's identical prefix."""
-    prompts = prompts_of_lengths(model_dir, PROMPT_LENGTHS)
-    assert len(prompts) >= 16
+def identical_prefix(
+    model_dir: Path, engine, device: str = "cpu", lengths: list[int] = PROMPT_LENGTHS
+) -> list[int]:
+    """Check a prompt of each length by the criterion (module docstring) against transformers
+    on `device` -> each one's identical prefix. `engine`: what serves at `engine.address` (an
+    EngineServer; an offline LLM: scripts/gpu_check.py runs this on CUDA)."""
+    prompts = prompts_of_lengths(model_dir, lengths)
+    assert len(prompts) == len(lengths) >= 1
     prefixes = []
     for prompt, (ours, our_tops) in zip(prompts, engine_greedy_top(engine.address, prompts)):
-        theirs, their_tops = hf_greedy_top(model_dir, prompt)
+        theirs, their_tops = hf_greedy_top(model_dir, prompt, device)
         assert all(len(top) == TOP for top in our_tops)
         same = 0
         while same < min(len(ours), len(theirs)) and ours[same] == theirs[same]:

@@ -3,7 +3,8 @@
 Inbox: StepPlan, CompileGrammar, Reset (Scheduler), read by the forward thread from its own
 mailbox (WORKER_STEPS); Stop, on the event loop's. Plans of another epoch than the last Reset's
 are dropped.
-Outbox: StepResult, GrammarReady -> Scheduler; Ready (with num_kv_blocks), Heartbeat -> supervisor.
+Outbox: StepResult, GrammarReady -> Scheduler; Ready (with num_kv_blocks and its device type),
+Heartbeat -> supervisor.
 Owns: model weights, KV cache tensors, the persistent batch (runner.py), the compiled grammars
 and their compile thread (grammar_cache.py).
 Dies when: Stop, or its supervisor goes away (then by SIGTERM). A failing step is answered with
@@ -34,25 +35,21 @@ from ...messages.structured import CompileGrammar, GrammarReady
 from ..config import WORKER_STEPS, EngineConfig
 from ..runtime import Actor, actor_main
 
-GIB = 1 << 30
 
+def worker_device(cfg: EngineConfig):
+    """The torch device the Worker serves on: `device`, where auto is cuda if there is one."""
+    import torch
 
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux), else 4 GiB."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 * GIB
+    if cfg.device != "auto":
+        return torch.device(cfg.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def build_runner(cfg: EngineConfig):
-    """Load the model, allocate the KV cache (`num_kv_blocks`, else as many blocks as the memory
-    budget holds), hand both to the CPU fast path where it serves, make the ModelRunner: what the
-    Worker serves with (scripts/bench_step.py measures the same one)."""
+    """Load the model, allocate the KV cache (sizing.py: `num_kv_blocks`, else as many blocks as
+    the memory budget holds) and the swap space, hand both to the CPU fast path where it serves,
+    make the ModelRunner: what the Worker serves with (scripts/bench_step.py measures the same
+    one). The runner gets `cfg` resolved for its device (EngineConfig.resolve_device)."""
     import torch
 
     from ...kernels.cpu.fast_path import CpuFastPath
@@ -61,10 +58,10 @@ def build_runner(cfg: EngineConfig):
     from .kv_cache import KVCache
     from .loader import load_model
     from .runner import ModelRunner
+    from .sizing import device_kv_blocks, swap_blocks
 
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    )
+    device = worker_device(cfg)
+    cfg = cfg.resolve_device(device.type)
     stored = ModelConfig.from_dir(cfg.model).dtype  # config.json's dtype (or torch_dtype)
     dtype, dtype_reason = dtypes.model_dtype(cfg.dtype, stored, device)
     kv_dtype, kv_reason = dtypes.kv_cache_dtype(cfg.kv_cache_dtype, dtype)
@@ -82,11 +79,10 @@ def build_runner(cfg: EngineConfig):
 
         warm_up_triton(shape, cfg.block_size, dtype, device)
     layout = (shape.num_layers, cfg.block_size, shape.num_kv_heads, shape.head_dim)
-    block_bytes = KVCache.block_bytes(*layout, kv_dtype)
-    num_blocks = cfg.num_kv_blocks or max(1, kv_budget_bytes(cfg, device) // block_bytes)
-    num_cpu_blocks = cfg.num_cpu_blocks
-    if num_cpu_blocks is None:
-        num_cpu_blocks = num_blocks if cfg.preemption_mode == "swap" else 0
+    num_blocks = device_kv_blocks(cfg, model, layout, kv_dtype, device)
+    num_cpu_blocks = swap_blocks(
+        cfg, device.type, num_blocks, KVCache.block_bytes(*layout, kv_dtype)
+    )
     kv = KVCache(
         shape.num_layers, num_blocks, num_cpu_blocks, cfg.block_size, shape.num_kv_heads,
         shape.head_dim, kv_dtype, device, None if fast_path is None else fast_path.zeros,
@@ -101,19 +97,6 @@ def build_runner(cfg: EngineConfig):
         "on" if fast_path is not None else "off", num_blocks, cfg.block_size,
     )  # fmt: skip
     return ModelRunner(cfg, model, kv, device, fast_path)
-
-
-def kv_budget_bytes(cfg: EngineConfig, device) -> int:
-    """Memory for the KV cache: kv_cache_memory_gb, else 90% of free GPU memory less 1 GiB of
-    headroom on CUDA, else a quarter of available memory up to 1 GiB."""
-    import torch
-
-    if cfg.kv_cache_memory_gb is not None:
-        return int(cfg.kv_cache_memory_gb * GIB)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(0, int(free * 0.9) - GIB)  # headroom for activations
-    return min(GIB, available_memory_bytes() // 4)
 
 
 class Worker(Actor):
@@ -135,10 +118,12 @@ class Worker(Actor):
         self.forward.add_done_callback(self._forward_ended)
 
     def _build(self) -> None:
-        """Set the torch threads, then build the runner (on the forward thread)."""
+        """Resolve the config for the device, set the torch threads, then build the runner (on
+        the forward thread)."""
         import torch
 
-        torch.set_num_threads(self.config.torch_threads or os.cpu_count() or 1)
+        self.config = self.config.resolve_device(worker_device(self.config).type)
+        torch.set_num_threads(self.config.torch_threads)
         self.runner = build_runner(self.config)
         self.epoch = self.config.epoch
 
@@ -148,6 +133,7 @@ class Worker(Actor):
             pid=os.getpid(),
             num_kv_blocks=self.runner.kv.num_blocks,
             num_cpu_blocks=self.runner.kv.num_cpu_blocks,
+            device=self.runner.device.type,
         )
 
     def _forward_loop(self, steps: zmq.Socket) -> None:
