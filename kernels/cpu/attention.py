@@ -1,11 +1,11 @@
 """Paged attention for serving on CPU (the `cpu` backend): the reference's semantics
 (kernels/reference.py). Where the machine has a C compiler, every row goes to the C kernels, which
 read K/V straight from the cache blocks: decodes to csrc/cpu_decode.c, prefill chunks to
-csrc/cpu_prefill.c. A bf16 cache is read by the decode kernel alone (widening each element to
-fp32): steps of decodes only go to it, steps with prefill chunks (few, and bound by their
-products) to the torch path. Otherwise the torch path below, built from torch's fused CPU
-attention (`scaled_dot_product_attention`, flash-style, GQA without copying K/V per query head),
-serves.
+csrc/cpu_prefill.c. A bf16 cache is read by the decode kernel alone (csrc/cpu_decode_bf16.c: q
+rounded to bf16, bf16 products, sums and softmax in fp32): steps of decodes only go to it, steps
+with prefill chunks (few, and bound by their products) to the torch path. Otherwise the torch
+path below, built from torch's fused CPU attention (`scaled_dot_product_attention`, flash-style,
+GQA without copying K/V per query head), serves.
 
 What costs on CPU is memory traffic, not FLOPs: every decode reads its whole context. So, on
 the torch path:

@@ -98,8 +98,9 @@ def paged_attention(
     out: torch.Tensor,
 ) -> None:
     """Fill out's rows of one kind; the others are untouched. rows="decode": sequences of one
-    query token (cpu_decode.c); rows="prefill": sequences computing a chunk of more than one
-    token, causal over the cache (cpu_prefill.c).
+    query token (cpu_decode.c; over a bf16 cache cpu_decode_bf16.c, which rounds q to bf16);
+    rows="prefill": sequences computing a chunk of more than one token, causal over the cache
+    (cpu_prefill.c).
 
     Takes fp32 CPU tensors (for rows="decode" the caches may be bf16); q, out, caches
     contiguous; the int32 metadata contiguous."""

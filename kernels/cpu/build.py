@@ -9,7 +9,8 @@ torch share one thread pool. The sources are found next to this module, so an ed
 and a wheel both build from the files they ship (pyproject.toml's package-data).
 
 What each source holds: cpu_decode.c and cpu_prefill.c (decode and prefill attention reading the
-paged cache directly, with cpu_attention.h), cpu_store_kv.c (writing a step's K/V into it),
+paged cache directly, with cpu_attention.h), cpu_decode_bf16.c (a decode's work over a bf16
+cache: bf16 products, online softmax), cpu_store_kv.c (writing a step's K/V into it),
 cpu_argmax.c (greedy sampling's argmax), cpu_panel_gemm.c and cpu_panel_gemm_bf16.c (decode-sized
 products against fp32 or bf16 weights packed in panels: the projections, and the LM head with
 that argmax fused; their shared loop in cpu_panel.h and cpu_panel_loop.h), cpu_elementwise.c
@@ -35,6 +36,7 @@ SOURCES = tuple(
     CSRC / name
     for name in (
         "cpu_decode.c",
+        "cpu_decode_bf16.c",
         "cpu_prefill.c",
         "cpu_argmax.c",
         "cpu_panel_gemm.c",

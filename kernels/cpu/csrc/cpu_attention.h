@@ -1,9 +1,9 @@
 /* The pieces of attention over the paged KV cache that the decode and the prefill kernels share
  * (cpu_decode.c, cpu_prefill.c): a chunk of VW tokens' scores against one query (transpose-add),
- * one row's softmax, the exp-weighted add of V rows, the page touches that start the prefetcher.
- * Cache layout [num_blocks, block_size, Hkv, D], fp32 or bf16 (`bf16`, a constant in each
- * inlined copy: its elements are widened to fp32 as they are loaded, the sums stay fp32); a
- * chunk never crosses a block. */
+ * one row's softmax, the exp-weighted add of V rows, the page touches that start the prefetcher;
+ * the decode kernel over a bf16 cache (cpu_decode_bf16.c) uses the vector pieces (transpose-add,
+ * exp, scale_head). Cache layout [num_blocks, block_size, Hkv, D], fp32; a chunk never crosses
+ * a block. */
 #ifndef ACTORSERVE_CPU_ATTENTION_H
 #define ACTORSERVE_CPU_ATTENTION_H
 
@@ -78,23 +78,11 @@ INLINE vf transpose_add(vf v[VW]) {
     return v[0];
 }
 
-/* K/V element i of a cache row at p: fp32, or bf16 widened. */
-INLINE vf load_kv(const void *p, int64_t i, int bf16) {
-    return bf16 ? load_bf16((const uint16_t *)p + i) : load((const float *)p + i);
-}
-INLINE float kv_scalar(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-/* p advanced by `elements` K/V elements. */
-INLINE const void *kv_at(const void *p, int64_t elements, int bf16) {
-    return (const char *)p + elements * (bf16 ? 2 : 4);
-}
-
 /* Scores of n <= VW consecutive tokens k[t * stride] against q, times scale, as one vector
  * (lanes past n: 0). */
 #define QREG 8 /* q vectors held in registers (D up to QREG * VW); the rest is read from L1 */
-INLINE vf chunk_scores(const float *restrict q, const void *restrict k, int n, int64_t stride,
-                       int64_t d, float scale, int bf16) {
+INLINE vf chunk_scores(const float *restrict q, const float *restrict k, int n, int64_t stride,
+                       int64_t d, float scale) {
     const int64_t dv = d - d % VW; /* the part of a row in whole vectors; the rest is scalar */
     vf qr[QREG] = {0};
     for (int u = 0; u < QREG && u * VW < dv; u++) qr[u] = load(q + u * VW);
@@ -102,12 +90,10 @@ INLINE vf chunk_scores(const float *restrict q, const void *restrict k, int n, i
     for (int t = 0; t < VW; t++) {
         vf acc = splat(0.0f);
         if (t < n) {
-            const void *kt = kv_at(k, t * stride, bf16);
-            for (int u = 0; u < QREG && u * VW < dv; u++)
-                acc = fmadd(qr[u], load_kv(kt, u * VW, bf16), acc);
-            for (int64_t i = QREG * VW; i < dv; i += VW)
-                acc = fmadd(load(q + i), load_kv(kt, i, bf16), acc);
-            for (int64_t i = dv; i < d; i++) acc[0] += q[i] * kv_scalar(kt, i, bf16);
+            const float *kt = k + t * stride;
+            for (int u = 0; u < QREG && u * VW < dv; u++) acc = fmadd(qr[u], load(kt + u * VW), acc);
+            for (int64_t i = QREG * VW; i < dv; i += VW) acc = fmadd(load(q + i), load(kt + i), acc);
+            for (int64_t i = dv; i < d; i++) acc[0] += q[i] * kt[i];
         }
         part[t] = acc;
     }
@@ -117,8 +103,8 @@ INLINE vf chunk_scores(const float *restrict q, const void *restrict k, int n, i
 /* o[0..d) += the sum over t < n of w[t] * v[t * stride + 0..d). STRIP vectors of o at a time
  * stay in registers, with two accumulators each (even and odd tokens) to overlap FMA latency. */
 #define STRIP 8
-INLINE void weighted_add(float *restrict o, const float *restrict w, const void *restrict v,
-                         int n, int64_t stride, int64_t d, int bf16) {
+INLINE void weighted_add(float *restrict o, const float *restrict w, const float *restrict v,
+                         int n, int64_t stride, int64_t d) {
     const int64_t dv = d - d % VW;
     for (int64_t i0 = 0; i0 < dv; i0 += STRIP * VW) {
         const int strip = dv - i0 < STRIP * VW ? (int)((dv - i0) / VW) : STRIP;
@@ -126,20 +112,20 @@ INLINE void weighted_add(float *restrict o, const float *restrict w, const void 
         for (int u = 0; u < strip; u++) acc0[u] = load(o + i0 + u * VW);
         int t = 0;
         for (; t + 1 < n; t += 2) {
-            const void *v0 = kv_at(v, t * stride + i0, bf16), *v1 = kv_at(v0, stride, bf16);
+            const float *v0 = v + t * stride + i0, *v1 = v0 + stride;
             const vf w0 = splat(w[t]), w1 = splat(w[t + 1]);
             for (int u = 0; u < strip; u++) {
-                acc0[u] = fmadd(w0, load_kv(v0, u * VW, bf16), acc0[u]);
-                acc1[u] = fmadd(w1, load_kv(v1, u * VW, bf16), acc1[u]);
+                acc0[u] = fmadd(w0, load(v0 + u * VW), acc0[u]);
+                acc1[u] = fmadd(w1, load(v1 + u * VW), acc1[u]);
             }
         }
         if (t < n)
             for (int u = 0; u < strip; u++)
-                acc0[u] = fmadd(splat(w[t]), load_kv(v, t * stride + i0 + u * VW, bf16), acc0[u]);
+                acc0[u] = fmadd(splat(w[t]), load(v + t * stride + i0 + u * VW), acc0[u]);
         for (int u = 0; u < strip; u++) store(o + i0 + u * VW, acc0[u] + acc1[u]);
     }
     for (int64_t i = dv; i < d; i++)
-        for (int t = 0; t < n; t++) o[i] += w[t] * kv_scalar(v, t * stride + i, bf16);
+        for (int t = 0; t < n; t++) o[i] += w[t] * v[t * stride + i];
 }
 
 /* Touch each 4 KiB page of a cache block, so that the TLB walk and the first miss of each page

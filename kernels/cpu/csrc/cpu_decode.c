@@ -1,6 +1,5 @@
-/* Decode attention over the paged KV cache on CPU, fp32 q and out, an fp32 or a bf16 cache (each
- * K/V element widened to fp32 as it is loaded: sums and softmax in fp32): the rows of a step
- * whose sequence has exactly one query token. Semantics of kernels/reference.py
+/* Decode attention over the paged KV cache on CPU, fp32 q and out, an fp32 or a bf16 cache (sums
+ * and softmax in fp32): the rows of a step whose sequence has exactly one query token. Semantics of kernels/reference.py
  * (paged_attention), restricted to those rows; rows of longer query chunks are left untouched
  * for the caller.
  *
@@ -19,8 +18,9 @@
  *   query_start_loc   [B + 1] int32
  * Query head h uses KV head h / G (Hugging Face's repeat_kv order).
  *
- * How, per work item (a sequence, all its heads; or one KV head of it when there are few
- * sequences), in two passes over its blocks:
+ * Work items: a sequence, all its heads; or one KV head of it when there are too few sequences
+ * to keep the threads busy. Over a bf16 cache an item is cpu_decode_bf16.c's (bf16 products,
+ * one pass, online softmax). Over an fp32 cache, here, in two passes over its blocks:
  * - scores: the tokens go in chunks of VW (the vector width: 16 floats with AVX-512, 8 with AVX,
  *   else 4; a chunk never crosses a block). Each token's dot product with a query head is left
  *   as a vector of VW partial sums, and one transpose-add turns the chunk's VW vectors into its
@@ -39,33 +39,33 @@
 #include <stdlib.h>
 #include <string.h>
 #include "cpu_attention.h"
+#include "cpu_kernels.h"
 
-/* Query heads [kvh * g, (kvh + nkv) * g) of one sequence against its `len` cached tokens; q and
- * out point at the first of them; scores holds nkv * g * ROW(len) floats. Inlined into copies
- * with D fixed (fully unrolled vector loops) and one for any D, for each cache dtype (bf16). */
-INLINE void attend(const float *restrict q, const void *restrict k_cache,
-                   const void *restrict v_cache, const int32_t *restrict table, int64_t len,
+/* Query heads [kvh * g, (kvh + nkv) * g) of one sequence against its `len` cached tokens (an
+ * fp32 cache); q and out point at the first of them; scores holds nkv * g * ROW(len) floats.
+ * Inlined into copies with D fixed (fully unrolled vector loops) and one for any D. */
+INLINE void attend(const float *restrict q, const float *restrict k_cache,
+                   const float *restrict v_cache, const int32_t *restrict table, int64_t len,
                    int64_t bs, int64_t hkv, int64_t kvh, int64_t nkv, int64_t d, int64_t g,
-                   float scale, float *restrict scores, float *restrict out, int bf16) {
+                   float scale, float *restrict scores, float *restrict out) {
     const int64_t token_stride = hkv * d, block_stride = bs * token_stride;
-    const int64_t block_bytes = block_stride * (bf16 ? 2 : 4);
+    const int64_t block_bytes = block_stride * 4;
     const int64_t heads = nkv * g, row = ROW(len);
     const int64_t nblocks = (len + bs - 1) / bs;
     /* pass 1: scores[head][pos]; a chunk's lanes past its tokens are overwritten by the next
      * chunk or lie past len */
     for (int64_t b = 0; b < nblocks; b++) {
         if (b + 1 < nblocks)
-            touch_pages(kv_at(k_cache, (int64_t)table[b + 1] * block_stride, bf16), block_bytes);
+            touch_pages(k_cache + (int64_t)table[b + 1] * block_stride, block_bytes);
         const int64_t start = b * bs, in_block = len - start < bs ? len - start : bs;
-        const void *k = kv_at(k_cache, (int64_t)table[b] * block_stride + kvh * d, bf16);
+        const float *k = k_cache + (int64_t)table[b] * block_stride + kvh * d;
         for (int64_t c = 0; c < in_block; c += VW) {
             const int n = in_block - c < VW ? (int)(in_block - c) : VW;
             for (int64_t h = 0; h < nkv; h++)
                 for (int64_t j = 0; j < g; j++)
                     store(scores + (h * g + j) * row + start + c,
-                          chunk_scores(q + (h * g + j) * d,
-                                       kv_at(k, c * token_stride + h * d, bf16), n, token_stride,
-                                       d, scale, bf16));
+                          chunk_scores(q + (h * g + j) * d, k + c * token_stride + h * d, n,
+                                       token_stride, d, scale));
         }
     }
     /* softmax: scores become exp(score - max); inv keeps 1 / their sum */
@@ -77,35 +77,31 @@ INLINE void attend(const float *restrict q, const void *restrict k_cache,
     /* pass 2: out = the exp-weighted sum of V, then / the sum */
     for (int64_t b = 0; b < nblocks; b++) {
         if (b + 1 < nblocks)
-            touch_pages(kv_at(v_cache, (int64_t)table[b + 1] * block_stride, bf16), block_bytes);
+            touch_pages(v_cache + (int64_t)table[b + 1] * block_stride, block_bytes);
         const int64_t start = b * bs, in_block = len - start < bs ? len - start : bs;
-        const void *v = kv_at(v_cache, (int64_t)table[b] * block_stride + kvh * d, bf16);
+        const float *v = v_cache + (int64_t)table[b] * block_stride + kvh * d;
         for (int64_t c = 0; c < in_block; c += VW) {
             const int n = in_block - c < VW ? (int)(in_block - c) : VW;
             for (int64_t h = 0; h < nkv; h++)
                 for (int64_t j = 0; j < g; j++)
                     weighted_add(out + (h * g + j) * d, scores + (h * g + j) * row + start + c,
-                                 kv_at(v, c * token_stride + h * d, bf16), n, token_stride, d,
-                                 bf16);
+                                 v + c * token_stride + h * d, n, token_stride, d);
         }
     }
     for (int64_t j = 0; j < heads; j++) scale_head(out + j * d, d, inv[j]);
 }
 
 #define ATTEND_ARGS                                                                           \
-    const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,      \
+    const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,    \
         const int32_t *restrict table, int64_t len, int64_t bs, int64_t hkv, int64_t kvh,     \
         int64_t nkv, int64_t d, int64_t g, float scale, float *restrict scores,               \
         float *restrict out
-#define ATTEND_CALL(D, BF16)                                                                  \
-    attend(q, k_cache, v_cache, table, len, bs, hkv, kvh, nkv, D, g, scale, scores, out, BF16)
+#define ATTEND_CALL(D) \
+    attend(q, k_cache, v_cache, table, len, bs, hkv, kvh, nkv, D, g, scale, scores, out)
 
-static void attend_64(ATTEND_ARGS) { (void)d; ATTEND_CALL(64, 0); }
-static void attend_128(ATTEND_ARGS) { (void)d; ATTEND_CALL(128, 0); }
-static void attend_any(ATTEND_ARGS) { ATTEND_CALL(d, 0); }
-static void attend_64_bf16(ATTEND_ARGS) { (void)d; ATTEND_CALL(64, 1); }
-static void attend_128_bf16(ATTEND_ARGS) { (void)d; ATTEND_CALL(128, 1); }
-static void attend_any_bf16(ATTEND_ARGS) { ATTEND_CALL(d, 1); }
+static void attend_64(ATTEND_ARGS) { (void)d; ATTEND_CALL(64); }
+static void attend_128(ATTEND_ARGS) { (void)d; ATTEND_CALL(128); }
+static void attend_any(ATTEND_ARGS) { ATTEND_CALL(d); }
 
 /* The decode rows' work items in the order they are handed out: (context length << 32 | row),
  * longest first; *count of them, *max_len the longest context. NULL when it cannot allocate. */
@@ -144,22 +140,26 @@ int decode_attention_team(const float *q, const void *k_cache, const void *v_cac
     const int64_t split = count >= 4 * threads ? 1 : num_kv_heads, nkv = num_kv_heads / split;
     void (*attend_d)(ATTEND_ARGS) =
         head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
-    if (kv_bf16)
-        attend_d = head_dim == 64    ? attend_64_bf16
-                   : head_dim == 128 ? attend_128_bf16
-                                     : attend_any_bf16;
-    float *scores = malloc(sizeof(float) * nkv * group * ROW(max_len));
+    const int64_t floats = kv_bf16 ? attend_bf16_scratch(nkv * group, head_dim)
+                                   : nkv * group * ROW(max_len);
+    float *scratch = malloc(sizeof(float) * floats);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < count * split; item++) {
-        if (scores == NULL) continue;
+        if (scratch == NULL) continue;
         const int64_t b = order[item / split] & 0xffffffff;
         const int64_t kvh = item % split * nkv;
         const int64_t offset = ((int64_t)query_start_loc[b] * num_q_heads + kvh * group) * head_dim;
-        attend_d(q + offset, k_cache, v_cache, block_tables + b * table_stride, seq_lens[b],
-                 block_size, num_kv_heads, kvh, nkv, head_dim, group, scale, scores, out + offset);
+        if (kv_bf16)
+            attend_bf16(q + offset, k_cache, v_cache, block_tables + b * table_stride, seq_lens[b],
+                        block_size, num_kv_heads, kvh, nkv, head_dim, group, scale, scratch,
+                        out + offset);
+        else
+            attend_d(q + offset, k_cache, v_cache, block_tables + b * table_stride, seq_lens[b],
+                     block_size, num_kv_heads, kvh, nkv, head_dim, group, scale, scratch,
+                     out + offset);
     }
-    const int failed = scores == NULL;
-    free(scores);
+    const int failed = scratch == NULL;
+    free(scratch);
     return failed ? -1 : 0;
 }
 

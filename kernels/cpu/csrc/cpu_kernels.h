@@ -23,6 +23,11 @@ int decode_attention_team(const float *q, const void *k_cache, const void *v_cac
                           int64_t block_size, int64_t num_q_heads, int64_t num_kv_heads,
                           int64_t head_dim, float scale, const int64_t *order, int64_t count,
                           int64_t max_len, float *out);
+int64_t attend_bf16_scratch(int64_t heads, int64_t d);
+void attend_bf16(const float *restrict q, const uint16_t *restrict k_cache,
+                 const uint16_t *restrict v_cache, const int32_t *restrict table, int64_t len,
+                 int64_t bs, int64_t hkv, int64_t kvh, int64_t nkv, int64_t d, int64_t g,
+                 float scale, float *restrict scratch, float *restrict out);
 int panel_linear(const float *a, int64_t m, int64_t k, int64_t a_stride, const float *packed,
                  int64_t n, float *out);
 int panel_linear_bf16(const uint16_t *a, int64_t m, int64_t k, int64_t a_stride,

@@ -219,7 +219,7 @@ INLINE void attend_tile(const float *restrict q, int64_t q_stride, const float *
             for (; r < rows; r++)
                 for (int64_t j = 0; j < g; j++)
                     store(scores + (r * g + j) * row + pos,
-                          chunk_scores(q + r * q_stride + j * d, kc, n, token_stride, d, scale, 0));
+                          chunk_scores(q + r * q_stride + j * d, kc, n, token_stride, d, scale));
         }
     }
     float inv[rows * g];
@@ -252,7 +252,7 @@ INLINE void attend_tile(const float *restrict q, int64_t q_stride, const float *
                 }
                 for (int64_t j = 0; j < g; j++)
                     weighted_add(out + r * q_stride + j * d, scores + (r * g + j) * row + pos, vc,
-                                 m, token_stride, d, 0);
+                                 m, token_stride, d);
             }
         }
     }
