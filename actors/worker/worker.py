@@ -96,7 +96,12 @@ def build_runner(cfg: EngineConfig):
         "tokens", cfg.model, device, dtype, torch.get_num_threads(), ops.name,
         "on" if fast_path is not None else "off", num_blocks, cfg.block_size,
     )  # fmt: skip
-    return ModelRunner(cfg, model, kv, device, fast_path)
+    runner = ModelRunner(cfg, model, kv, device, fast_path)
+    if device.type == "cuda":  # compiled and captured before the first request, not during it
+        runner.sampler.warm_up(shape.vocab_size)
+        sizes = runner.capture_decode_graphs()  # [] with enforce_eager
+        log.info("decode CUDA graphs for batch sizes %s", sizes or "none (enforce_eager)")
+    return runner
 
 
 class Worker(Actor):
