@@ -36,7 +36,7 @@ def test_bench_step_times_every_op_once_and_within_the_step(llama_dir, tmp_path)
     ops = {r["op"]: r for r in rows if r["table"] == "step"}
     timed = [
         "decode attention", "lm_head + greedy argmax (as served)", "GEMM qkv_proj", "GEMM o_proj",
-        "GEMM gate_up_proj", "GEMM down_proj", "RMSNorm (+ residual)", "RoPE (q and k)",
+        "GEMM gate_up_proj", "GEMM down_proj", "RMSNorm (+ residual)", "q/k norm + RoPE",
         "SiLU x up", "store_kv", "input preparation",
     ]  # fmt: skip
     assert all(ops[op]["ms"] > 0 for op in timed)
