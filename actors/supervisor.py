@@ -2,8 +2,11 @@
 
 Start: Worker first (it measures the KV cache and reports num_kv_blocks and its device in Ready:
 the defaults that depend on the device are resolved from it), then the BlockManager (sized from
-that), the Scheduler, and last the Engine (which opens the clients' door).
-Each must send Ready within `ready_timeout_s`, or start-up fails naming the actor.
+that), the Scheduler, and last the Engine (which opens the clients' door). The Engine and the
+children are spawned with the Worker (they read nothing it measures, and loading a tokenizer
+takes as long as loading a small model); a request they take before the Scheduler is up waits
+in its mailbox's queue. Each must send Ready within `ready_timeout_s` of the start, awaited in
+that order, or start-up fails naming the actor.
 
 While serving: an actor that exits, or misses 3 heartbeats (hung, SIGSTOPped: it is killed), is
 restarted after an exponential backoff; the replacement starts at epoch -1 (deaf to stale
@@ -51,6 +54,10 @@ from .runtime import LoopSocket
 
 log = logging.getLogger("supervisor")
 
+# Actors whose config reads no field the Worker's Ready resolves (device defaults, block counts):
+# the Engine reads the checkpoint's facts and the request limits only.
+INDEPENDENT_OF_WORKER = ("engine",)
+
 
 class SupervisorError(RuntimeError):
     """The engine cannot serve: an actor failed to start or died."""
@@ -95,8 +102,15 @@ class Supervisor:
         self.mailbox = LoopSocket(socket)
         self._tasks.append(asyncio.create_task(self._receive()))
         try:
-            for name in (*ACTORS, *self.children):
+            # What reads nothing the Worker measures (the Engine, the children) loads its
+            # tokenizer while the Worker loads the model; the BlockManager and the Scheduler
+            # wait for the Worker's numbers. Ready is awaited in the start order all the same.
+            early = ("worker", *INDEPENDENT_OF_WORKER, *self.children)
+            for name in early:
                 self._spawn(name)
+            for name in (*ACTORS, *self.children):
+                if name not in early:
+                    self._spawn(name)
                 ready = await self._wait_ready(name)
                 if name == "worker":
                     self.config = self.config.resolve_device(ready.device).resolve_kv_blocks(
