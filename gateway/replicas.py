@@ -2,15 +2,15 @@
 a stream goes on when its replica dies.
 
 Routing (`choose_replica`, pure): a prompt of at least one full block of `block_size` tokens has a
-prefix key, the chained block hash (actors/block_hash.py) of its first full blocks, at most
-`route_prefix_blocks` of them. Rendezvous hashing maps the key to the replica with the highest
-blake2b(key || replica index): requests sharing those blocks (a system prompt) land on one
-replica, whose prefix cache then holds them, and a replica leaving moves only its own keys. That
-replica is taken unless its load (this gateway's requests in flight there: running + waiting)
-exceeds the least-loaded usable replica's by more than `route_load_margin`; then the least loaded
-takes it, as does every prompt shorter than one block. A replica that is down (its stream failed
-with EngineUnavailable, its health check failed, it refused a request as unavailable: draining)
-gets no new requests until a health check answers again.
+prefix key, a hash of its first full blocks, at most `route_prefix_blocks` of them. Rendezvous
+hashing maps the key to the replica with the highest blake2b(key || replica index): requests
+sharing those blocks (a system prompt) land on one replica, whose prefix cache then holds them,
+and a replica leaving moves only its own keys. That replica is taken unless its load (this
+gateway's requests in flight there: running + waiting) exceeds the least-loaded usable replica's
+by more than `route_load_margin`; then the least loaded takes it, as does every prompt shorter
+than one block. A replica that is down (its stream failed with EngineUnavailable, its health
+check failed, it refused a request as unavailable: draining) gets no new requests until a health
+check answers again.
 
 Failover (`ReplicaSet.generate`): a stream whose replica fails it as unavailable goes on on
 another usable replica as a resumption (GenerateRequest.resume with the tokens each sample has
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from ..actors.block_hash import NO_SALT, chain_hashes
 from ..messages.client import Delta, EngineStats, HealthReply, ResumedSample
 from ..messages.common import SamplingParams
 from .client import AsyncClient
@@ -32,9 +32,13 @@ from .errors import EngineError, EngineUnavailable
 
 
 def prefix_key(token_ids: Sequence[int], block_size: int, max_blocks: int) -> bytes | None:
-    """The hash of the prompt's first full blocks (at most `max_blocks`); None under one block."""
-    hashes = list(chain_hashes(NO_SALT, token_ids[: block_size * max_blocks], block_size))
-    return hashes[-1] if hashes else None
+    """The hash of the prompt's first full blocks (at most `max_blocks`); None under one block.
+    (Not the BlockManager's chained block hashes, actors/block_hash.py, which the gateway may
+    not import: any hash of the same tokens keys a route as well.)"""
+    full = min(len(token_ids) // block_size, max_blocks) * block_size
+    if full == 0:
+        return None
+    return hashlib.blake2b(array("q", token_ids[:full]).tobytes(), digest_size=16).digest()
 
 
 def _rendezvous_weight(key: bytes, index: int) -> bytes:
@@ -105,7 +109,8 @@ class ReplicaSet:
         if isinstance(prompt, str):
             if self.tokenize is None:
                 return None
-            # only the characters the first blocks can take (a token is one character at least)
+            # the head of a long prompt is enough for its first blocks unless its tokens average
+            # over 16 characters: then the key covers fewer blocks, the same for the same head
             head = prompt[: self.block_size * self.prefix_blocks * 16]
             prompt = await asyncio.to_thread(self.tokenize, head)
         return prefix_key(prompt, self.block_size, self.prefix_blocks)
