@@ -38,7 +38,7 @@ async def serve(
     client address (replica 0 at `address`, the others in their run directories), and one
     gateway, supervised by replica 0's supervisor, routing across them (gateway/replicas.py).
     A replica whose supervisor gives up is left down (the gateway routes around it); the
-    server ends when replica 0, which holds the gateway, ends, or every replica has.
+    server ends when replica 0, which holds the gateway, ends.
     """
     log = logging.getLogger("actorserve")
     try:

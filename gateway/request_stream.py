@@ -33,8 +33,7 @@ class RequestStream:
         self.request = request  # as first sent
         self.n = max(1, request.params.n)
         self.collect = collect
-        # token ids of each sample, for a resume
-        self.received: dict[int, list[int]] = {}
+        self.received: dict[int, list[int]] = {}  # token ids of each sample, for a resume
         self.done: set[int] = set()  # samples that have finished
         if request.resume is not None:
             self.received = {s.index: list(s.output_token_ids) for s in request.resume}
