@@ -33,14 +33,24 @@ async def serve(
     bound here, so a restarted gateway serves on the same port. SIGTERM: the gateway answers
     503 to new requests, the engine drains those in flight (up to drain_timeout_s), the
     gateway closes its connections, the actors stop; exit 0.
+
+    `data_parallel_size` N: N engine stacks, each its own supervisor tree, run directory and
+    client address (replica 0 at `address`, the others in their run directories), and one
+    gateway, supervised by replica 0's supervisor, routing across them (gateway/replicas.py).
+    A replica whose supervisor gives up is left down (the gateway routes around it); the
+    server ends when replica 0, which holds the gateway, ends.
     """
     log = logging.getLogger("actorserve")
     try:
         config, own_client = with_own_client(config)  # the gateway's key, for a CURVE engine
-        supervisor = Supervisor(config, address)
+        replicas = [
+            Supervisor(config, address if i == 0 else None)
+            for i in range(config.data_parallel_size)
+        ]
     except (ValueError, OSError) as exc:
         log.error("cannot serve: %s", exc)
         return 1
+    supervisor = replicas[0]
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -48,47 +58,76 @@ async def serve(
     url = listening = None
     if http is not None:
         try:
-            url, listening = supervise_gateway(supervisor, http, own_client)
+            url, listening = supervise_gateway(replicas, http, own_client)
         except OSError as exc:
             log.error("cannot serve HTTP on %s port %s: %s", http.host, http.port, exc)
-            await supervisor.stop("the gateway could not start")
+            for replica in replicas:
+                await replica.stop("the gateway could not start")
             return 1
+    started: list[Supervisor] = []
     try:
-        await supervisor.start()
+        for replica in (*replicas[1:], supervisor):  # the gateway's last, as its engine's are
+            started.append(replica)
+            await replica.start()
     except SupervisorError as exc:
         log.error("cannot serve: %s", exc)
+        for replica in started:
+            await replica.stop("another replica could not start")
         return 1
     print(f"actorserve: serving {config.model} at {supervisor.client_address}", flush=True)
     if url is not None:
         print(f"actorserve: {url}", flush=True)
-    waiter = asyncio.ensure_future(supervisor.wait())
+    for i, replica in enumerate(replicas[1:], 1):
+        print(f"actorserve: replica {i} at {replica.client_address}", flush=True)
+    waiters = [asyncio.ensure_future(replica.wait()) for replica in replicas]
     stopper = asyncio.ensure_future(stopping.wait())
-    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
-    if waiter.done():
-        stopper.cancel()
-        try:
-            waiter.result()
-        except SupervisorError as exc:
-            log.error("engine stopped: %s", exc)
-            return 1
-        return 0
-    await supervisor.drain()
-    await supervisor.stop("SIGTERM")
-    waiter.cancel()
+    code = await _serve_until_stopped(waiters, stopper, log)
+    if code is not None:
+        for replica in replicas:
+            await replica.stop("replica 0 stopped")
+        return code
+    await supervisor.drain()  # the gateway first: no new request reaches any replica after
+    await asyncio.gather(*(replica.drain() for replica in replicas[1:]))
+    for replica in replicas:
+        await replica.stop("SIGTERM")
+    for waiter in waiters:
+        waiter.cancel()
     if listening is not None:
         listening.close()
     return 0
 
 
-def supervise_gateway(supervisor: Supervisor, http: argparse.Namespace, client: dict):
-    """Bind the HTTP port (OSError if taken) and have the supervisor run the gateway on it;
-    (its URL, the listening socket: keep it open while serving). The spec, with the SDK's keys,
-    goes in a 0600 file in the private run directory, not on a command line anyone may read."""
+async def _serve_until_stopped(waiters, stopper, log) -> int | None:
+    """Until SIGTERM (None) or until replica 0 (`waiters[0]`), which holds the gateway, has
+    ended (the exit code); another replica ending is logged, and the gateway routes round it."""
+    pending = {*waiters, stopper}
+    while True:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if stopper in done:
+            return None
+        for waiter in done:
+            if isinstance(waiter.exception(), SupervisorError):
+                log.error("replica %d stopped: %s", waiters.index(waiter), waiter.exception())
+        if waiters[0].done():
+            stopper.cancel()
+            return 1 if waiters[0].exception() is not None else 0
+
+
+def supervise_gateway(replicas: list[Supervisor], http: argparse.Namespace, client: dict):
+    """Bind the HTTP port (OSError if taken) and have replica 0's supervisor run the gateway on
+    it, routing across every replica; (its URL, the listening socket: keep it open while
+    serving). The spec, with the SDK's keys, goes in a 0600 file in the private run directory,
+    not on a command line anyone may read."""
+    supervisor = replicas[0]
     sock = bind(http.host, http.port)
     port = sock.getsockname()[1]
+    settings = gateway_settings(http, supervisor.config)
+    if len(replicas) > 1 and not settings.replicas:
+        addresses = [replica.client_address for replica in replicas]
+        settings = msgspec.structs.replace(settings, replicas=addresses)
     spec = GatewaySpec(
         config=supervisor.config,
-        settings=gateway_settings(http, supervisor.config),
+        settings=settings,
         listen_fd=sock.fileno(),
         host=http.host,
         port=port,
@@ -113,11 +152,14 @@ def gateway_settings(args: argparse.Namespace, config: EngineConfig) -> GatewayS
     """The gateway's settings: its flags, and what it takes from the resolved engine config."""
     given = given_values(args, GatewaySettings)
     given.setdefault("api_key", os.environ.get("ACTORSERVE_API_KEY") or None)
-    given.setdefault("max_concurrent_requests", config.max_live_requests)
+    given.setdefault(
+        "max_concurrent_requests", config.max_live_requests * config.data_parallel_size
+    )
     return GatewaySettings(
         model_id=config.model,
         model_dir=config.model,
         max_model_len=config.max_model_len,
         vocab_size=config.facts.vocab_size,
+        block_size=config.block_size,
         **given,
     )

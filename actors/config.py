@@ -191,8 +191,15 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = "auto"
     torch_threads: Annotated[
-        int | None, Meta(description="the Worker's torch threads; unset: every core, 1 on CUDA")
+        int | None,
+        Meta(
+            description="the Worker's torch threads; unset: 1 on CUDA, else the cores shared "
+            "out among the data_parallel_size replicas (1 at least)"
+        ),
     ] = None
+    data_parallel_size: Annotated[
+        int, Meta(description="`serve`: engine stacks, one gateway routing across them")
+    ] = 1
     # CUDA only
     enforce_eager: Annotated[
         bool, Meta(description="CUDA: run every step eagerly (no CUDA graphs for decode)")
@@ -295,6 +302,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("block_size", self.block_size in (8, 16, 32, 64), "one of 8, 16, 32, 64"),
             ("max_num_seqs", self.max_num_seqs is None or self.max_num_seqs >= 1, ">= 1"),
             ("torch_threads", self.torch_threads is None or self.torch_threads >= 1, ">= 1"),
+            ("data_parallel_size", self.data_parallel_size >= 1, ">= 1"),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "in (0, 1]"),
             ("swap_space_gb", self.swap_space_gb >= 0.0, ">= 0"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
@@ -354,17 +362,19 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Fill the settings whose default depends on the Worker's device ("cuda", else CPU):
         `max_num_seqs` (DEFAULT_MAX_NUM_SEQS, at most max_num_batched_tokens, so that a default
         never fails the check that every running decode fits in a step) and `torch_threads`
-        (CUDA_TORCH_THREADS on CUDA, every core on CPU). Settings the user gave stay, and
-        validate() passes on the result wherever it passed before (what it fills is in range).
-        The Worker resolves its own config with it, and the supervisor, once the Worker's Ready
-        names its device, the one every later actor gets: the same rule."""
+        (CUDA_TORCH_THREADS on CUDA; on CPU the cores, shared out among data_parallel_size
+        replicas). Settings the user gave stay, and validate() passes on the result wherever it
+        passed before (what it fills is in range). The Worker resolves its own config with it,
+        and the supervisor, once the Worker's Ready names its device, the one every later actor
+        gets: the same rule."""
         kind = "cuda" if device_type == "cuda" else "cpu"
         max_num_seqs = self.max_num_seqs
         if max_num_seqs is None:
             max_num_seqs = min(DEFAULT_MAX_NUM_SEQS[kind], self.max_num_batched_tokens)
         threads = self.torch_threads
         if threads is None:
-            threads = CUDA_TORCH_THREADS if kind == "cuda" else os.cpu_count() or 1
+            cores = max(1, (os.cpu_count() or 1) // self.data_parallel_size)
+            threads = CUDA_TORCH_THREADS if kind == "cuda" else cores
         return msgspec.structs.replace(self, max_num_seqs=max_num_seqs, torch_threads=threads)
 
     def resolve_kv_blocks(self, num_kv_blocks: int, num_cpu_blocks: int = 0) -> EngineConfig:

@@ -30,9 +30,9 @@ from fastapi.responses import Response
 
 from ..messages.client import HealthReply
 from ..messages.common import SamplingParams
-from .client import AsyncClient
 from .errors import EngineError, EngineUnavailable
 from .openai_routes import json_response
+from .replicas import ReplicaSet
 from .service import GatewaySettings
 
 
@@ -68,7 +68,7 @@ class RateLimited(Generic[T]):
 
 
 class HealthChecks:
-    def __init__(self, client: AsyncClient, settings: GatewaySettings):
+    def __init__(self, client: ReplicaSet, settings: GatewaySettings):
         self.client = client
         self.settings = settings
         self.liveness = RateLimited(self._liveness, settings.health_interval_s)

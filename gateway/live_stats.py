@@ -20,8 +20,8 @@ import time
 import msgspec
 
 from ..messages.client import EngineStats
-from .client import AsyncClient
 from .health import RateLimited
+from .replicas import ReplicaSet
 
 
 class StatsSample(msgspec.Struct, kw_only=True):
@@ -49,7 +49,7 @@ class LiveStats(msgspec.Struct, kw_only=True):
 class StatsHistory:
     """The samples of the last `window_s`, and the engine counters they were computed from."""
 
-    def __init__(self, client: AsyncClient, model: str, interval_s: float, window_s: float):
+    def __init__(self, client: ReplicaSet, model: str, interval_s: float, window_s: float):
         self.client = client
         self.model = model
         self.interval_s = interval_s

@@ -8,7 +8,7 @@ requests in flight and open connections. Each app has its own registry.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -119,6 +119,32 @@ class _EngineCollector(Collector):
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
 
 
+class _ReplicaCollector(Collector):
+    """Per data-parallel replica (label replica="0", ...): requests this gateway routed there
+    (resumptions after a failover too), its requests in flight there, whether it is up."""
+
+    def __init__(self, model: str, read: Callable[[], Iterable[tuple[int, int, int, bool]]]):
+        self.model = model
+        self.read = read  # -> (index, routed, in flight, up) of each replica
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "replica"]
+        routed = CounterMetricFamily(
+            PREFIX + "replica_requests_routed", "Requests sent to the replica.", labels=labels
+        )
+        in_flight = GaugeMetricFamily(
+            PREFIX + "replica_requests_in_flight", "Requests there, not ended.", labels=labels
+        )
+        up = GaugeMetricFamily(
+            PREFIX + "replica_up", "1 while the replica takes new requests.", labels=labels
+        )
+        for index, sent, live, is_up in self.read():
+            routed.add_metric([self.model, str(index)], sent)
+            in_flight.add_metric([self.model, str(index)], live)
+            up.add_metric([self.model, str(index)], float(is_up))
+        yield from (routed, in_flight, up)
+
+
 class Metrics:
     def __init__(self, model: str):
         self.model = model
@@ -179,6 +205,10 @@ class Metrics:
         ):
             gauge = Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry)
             gauge.labels(self.model).set_function(read)
+
+    def watch_replicas(self, read: Callable[[], Iterable[tuple[int, int, int, bool]]]) -> None:
+        """The per-replica metrics, from `read()` at each scrape (_ReplicaCollector)."""
+        self.registry.register(_ReplicaCollector(self.model, read))
 
     def error(self, status: int) -> None:
         self._http_errors.labels(self.model, str(status)).inc()

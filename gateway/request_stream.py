@@ -28,17 +28,23 @@ class RequestStream:
     batch of non-streamed requests costs no task wake-up per request per step."""
 
     def __init__(self, request: GenerateRequest, collect: bool = False):
+        """A request sent with `resume` (taken over from another engine) starts with the tokens
+        listed there, and with the samples not listed finished: `unfinished` of the n remain."""
         self.request = request  # as first sent
         self.n = max(1, request.params.n)
         self.collect = collect
         self.received: dict[int, list[int]] = {}  # token ids of each sample, for a resume
         self.done: set[int] = set()  # samples that have finished
+        if request.resume is not None:
+            self.received = {s.index: list(s.output_token_ids) for s in request.resume}
+            self.done = set(range(self.n)) - set(self.received)
+        self.unfinished = self.n - len(self.done)
         self.resumes = 0  # since its last token
         self.resumed_at = -1  # the last ping sent before its last resumption
         self.pending: dict[int, Delta] = {}
         self.collected: list[Delta] = []
         self.last_push = time.monotonic()  # when a delta last came: a collecting one's liveness
-        self.finished = 0  # samples whose last delta has arrived
+        self.finished = len(self.done)  # samples whose last delta has arrived
         self.error: EngineError | None = None
         self.event = asyncio.Event()
 

@@ -44,6 +44,7 @@ from .metrics import CONTENT_TYPE
 from .openai_errors import APIError
 from .openai_responses import ModelCard, ModelList, now
 from .openai_routes import ClientGone, chat_completions, completions, error_response, json_response
+from .replicas import ReplicaSet
 from .service import Gateway, GatewaySettings
 from .websocket import stream_endpoint
 
@@ -51,7 +52,7 @@ log = logging.getLogger("gateway")
 PLAYGROUND = Path(__file__).with_name("static") / "playground.html"
 
 
-def create_app(client: AsyncClient, settings: GatewaySettings, chat) -> FastAPI:
+def create_app(client: ReplicaSet, settings: GatewaySettings, chat) -> FastAPI:
     """`chat`: the checkpoint's ChatTemplate (its tokenizer also names logprob tokens)."""
     gateway = Gateway(client, settings, chat)
     app = FastAPI(title="actorserve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -171,7 +172,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class HTTPGateway:
-    """The app under uvicorn on the running event loop, talking to the Engine at `address`."""
+    """The app under uvicorn on the running event loop, talking to the Engine at `address`, or
+    to the replicas `settings.replicas` names when it names any."""
 
     def __init__(
         self,
@@ -209,7 +211,23 @@ class HTTPGateway:
         except BaseException:
             sock.close()
             raise
-        self.client = AsyncClient(self.engine_address, **self.client_options)
+        settings = self.settings
+        clients = [
+            AsyncClient(
+                address,
+                liveness_timeout_s=settings.engine_liveness_timeout_s,
+                **self.client_options,
+            )
+            for address in settings.replicas or [self.engine_address]
+        ]
+        self.client = ReplicaSet(
+            clients,
+            settings.block_size,
+            settings.route_prefix_blocks,
+            settings.route_load_margin,
+            settings.health_interval_s,
+            chat.tokenizer.encode,
+        )
         self.app = create_app(self.client, self.settings, chat)
         config = GatewayConfig(
             self.app,

@@ -20,12 +20,12 @@ from msgspec import Meta
 from ..config_flags import NOT_A_FLAG
 from ..messages.client import Delta
 from ..messages.common import OutputKind, SamplingParams, max_prompt_chars
-from .client import AsyncClient
 from .errors import EngineError
 from .metrics import Metrics
 from .openai_errors import APIError, invalid
 from .openai_logprobs import TokenNames
 from .openai_requests import ChatMessage
+from .replicas import ReplicaSet
 
 SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
 ENGINE_STATUS = {"invalid_request": 400, "overloaded": 429, "unavailable": 503}
@@ -41,6 +41,7 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     model_dir: Annotated[str, Meta(description="the checkpoint", extra=NOT_A_FLAG)]
     max_model_len: Annotated[int, Meta(description="the engine's", extra=NOT_A_FLAG)]
     vocab_size: Annotated[int, Meta(description="the model's", extra=NOT_A_FLAG)]
+    block_size: Annotated[int, Meta(description="the engine's", extra=NOT_A_FLAG)] = 16
     api_key: Annotated[
         str | None,
         Meta(description="require 'Authorization: Bearer KEY'; unset: $ACTORSERVE_API_KEY if set"),
@@ -102,6 +103,31 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         ),
     ] = []
 
+    replicas: Annotated[
+        list[str],
+        Meta(
+            description="comma-separated client addresses of the engine replicas to route across "
+            "(data parallel, see gateway/replicas.py); unset: the engines this server starts"
+        ),
+    ] = []
+    route_load_margin: Annotated[
+        int,
+        Meta(
+            description="a request goes to its prefix's replica unless that one has more than "
+            "this many requests in flight above the least-loaded replica"
+        ),
+    ] = 4
+    route_prefix_blocks: Annotated[
+        int, Meta(description="full KV blocks of the prompt that pick its replica (at most)")
+    ] = 4
+    engine_liveness_timeout_s: Annotated[
+        float,
+        Meta(
+            description="an engine silent this long while streams are open is taken for dead: "
+            "its streams go on on another replica, or fail with one"
+        ),
+    ] = 10.0
+
     def accepts_model(self, name: str | None) -> bool:
         return name is None or name in (self.model_id, os.path.basename(self.model_id.rstrip("/")))
 
@@ -145,7 +171,7 @@ def engine_error(
 
 
 class Gateway:
-    def __init__(self, client: AsyncClient, settings: GatewaySettings, chat):
+    def __init__(self, client: ReplicaSet, settings: GatewaySettings, chat):
         self.client = client
         self.settings = settings
         self.chat = chat  # ChatTemplate
@@ -157,6 +183,9 @@ class Gateway:
         # handshakes are counted against max_connections here, uvicorn counts HTTP requests
         self.connections: set = set()
         self.metrics.watch(lambda: self.active, lambda: len(self.connections))
+        self.metrics.watch_replicas(
+            lambda: [(r.index, r.routed, r.in_flight, r.up) for r in client.replicas]
+        )
         self._idle = asyncio.Event()
         self._idle.set()
 

@@ -41,7 +41,7 @@ def test_the_settings_that_are_not_flags_are_the_resolved_ones():
     resolved = {n for n, k in fields_of(EngineConfig).items() if k.extra == NOT_A_FLAG}
     assert resolved == {"epoch", "curve_gateway_key", "addresses", "facts"}
     resolved = {n for n, k in fields_of(GatewaySettings).items() if k.extra == NOT_A_FLAG}
-    assert resolved == {"model_id", "model_dir", "max_model_len", "vocab_size"}
+    assert resolved == {"model_id", "model_dir", "max_model_len", "vocab_size", "block_size"}
 
 
 @pytest.mark.parametrize("struct", [EngineConfig, GatewaySettings])

@@ -1,0 +1,167 @@
+"""`actorserve serve --data-parallel-size 2`: two engine stacks behind one gateway, end to end.
+The gateway spreads load over both, keeps a shared prefix on one replica (whose prefix cache then
+hits), and when a whole replica is SIGKILLed its streams go on on the other, output unchanged.
+
+One server for the module (starting two stacks is most of the time); the SIGKILL test runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from gateway_support import GatewayServer, call, open_stream, read_events, wait_until
+
+from support import prompts_of_lengths, smallest_greedy_margin
+
+pytestmark = pytest.mark.slow
+FLAGS = (
+    "--data-parallel-size",
+    "2",
+    "--torch-threads",
+    "1",  # one core per replica on this 2-core machine
+    "--max-restarts",
+    "0",  # a replica whose actor dies stops as a whole: what the failover test needs
+    "--engine-liveness-timeout-s",
+    "4",
+    "--route-load-margin",
+    "2",
+    "--max-model-len",
+    "512",
+    "--health-interval-s",
+    "0.5",
+)
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    server = GatewayServer(llama_dir, *FLAGS)
+    line = server._read_line(30)
+    match = re.fullmatch(r"actorserve: replica 1 at ipc://(\S+)/client\.sock\n?", line)
+    assert match, line
+    server.replica_run_dirs = {1: match.group(1)}
+    yield server
+    assert server.stop() == 0
+
+
+def replica_counts(server, name: str) -> dict[str, float]:
+    """A per-replica metric, by replica label."""
+    text = call(server, "GET", "/metrics").body.decode()
+    pattern = rf'actorserve_{name}\{{model_name="[^"]*",replica="(\d+)"\}} (\S+)'
+    return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text)}
+
+
+def routed(server) -> dict[str, float]:
+    return replica_counts(server, "replica_requests_routed_total")
+
+
+def complete(server, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": server.model_name, "prompt": prompt, "max_tokens": max_tokens}
+    reply = call(server, "POST", "/v1/completions", {**body, "temperature": 0})
+    assert reply.status == 200, reply.body
+    return reply.json()
+
+
+def test_concurrent_requests_are_split_across_both_replicas(server, llama_dir):
+    prompts = prompts_of_lengths(llama_dir, [8 + i % 24 for i in range(64)])
+    before = routed(server)
+    with ThreadPoolExecutor(64) as pool:
+        list(pool.map(lambda p: complete(server, p, 4), prompts))
+    after = routed(server)
+    share = {r: after[r] - before.get(r, 0) for r in ("0", "1")}
+    assert sum(share.values()) == 64
+    assert min(share.values()) >= 16, share  # each replica >= 25%
+    assert replica_counts(server, "replica_up") == {"0": 1.0, "1": 1.0}
+
+
+def prefix_hits(server) -> int:
+    return call(server, "GET", "/health").json()["engine"].get("prefix_hit_tokens", 0)
+
+
+def test_requests_sharing_a_long_prefix_land_on_one_replica(server, llama_dir):
+    system = prompts_of_lengths(llama_dir, [64])[0]  # 4 full blocks of 16
+    suffixes = prompts_of_lengths(llama_dir, [3 + i for i in range(8)])
+    before, hits = routed(server), prefix_hits(server)
+    for suffix in suffixes:
+        complete(server, system + suffix, 2)
+    after = routed(server)
+    share = sorted(after[r] - before.get(r, 0) for r in ("0", "1"))
+    assert share == [0, 8]
+    # every request after the first found the 4 shared blocks cached on its replica (split over
+    # two replicas, two would have missed them)
+    assert wait_until(lambda: prefix_hits(server) - hits >= 7 * 64, 5)
+
+
+def replica_pids(run_dir: str) -> list[int]:
+    """The actor processes of the replica whose run directory is `run_dir` (their command line,
+    the config's JSON, names it)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if run_dir.encode() in cmdline and b"actorserve" in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
+
+
+def streams(server, prompts, kill=None) -> list[tuple[str, str]]:
+    """Stream every prompt at once over SSE, greedy, the last two seeded; (text, finish reason)
+    of each. With `kill`, call it once every stream has had its first events."""
+    started = threading.Barrier(len(prompts) + 1)
+    results: list = [None] * len(prompts)
+
+    def stream(i: int) -> None:
+        body = {"model": server.model_name, "prompt": prompts[i], "max_tokens": 120}
+        body |= {"stream": True, **({"temperature": 0} if i < len(prompts) - 2 else SEEDED)}
+        conn, response = open_stream(server, "/v1/completions", body)
+        events = read_events(response, 3)
+        started.wait()
+        events += read_events(response)
+        conn.close()
+        chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        reason = next(c["choices"][0]["finish_reason"] for c in reversed(chunks) if c["choices"])
+        results[i] = (text, reason)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    started.wait(120)
+    if kill is not None:
+        kill()
+    for thread in threads:
+        thread.join(120)
+    return results
+
+
+def test_streams_of_a_sigkilled_replica_complete_identically_on_the_other(server, llama_dir):
+    prompts = prompts_of_lengths(llama_dir, [9, 12, 14, 20, 33, 44, 10, 27])
+    assert all(smallest_greedy_margin(llama_dir, p, 120) > 1e-3 for p in prompts[:-2])
+    fault_free = streams(server, prompts)
+    assert all(reason == "length" for _, reason in fault_free)
+    pids = replica_pids(server.replica_run_dirs[1])
+    assert len(pids) == 4  # engine, scheduler, block manager, worker
+
+    def kill_replica_1() -> None:
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+
+    before = routed(server)
+    assert streams(server, prompts, kill_replica_1) == fault_free
+    after = routed(server)
+    # replica 1 had streams in flight, and they were sent again, to replica 0
+    assert sum(after.values()) - sum(before.values()) > len(prompts)
+    assert replica_counts(server, "replica_up")["1"] == 0.0
+    assert wait_until(lambda: complete(server, prompts[0], 2), 10)  # replica 0 serves on

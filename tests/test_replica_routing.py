@@ -1,0 +1,132 @@
+"""The gateway's replica routing (gateway/replicas.py), without processes: prefix keys, the
+rendezvous choice against load, replicas that are down, and a stream's failover as a resumption."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from actorserve.gateway.errors import EngineError, EngineUnavailable
+from actorserve.gateway.replicas import ReplicaSet, choose_replica, prefix_key, sum_stats
+from actorserve.gateway.request_stream import RequestStream
+from actorserve.messages.client import Delta, EngineStats, GenerateRequest, ResumedSample
+from actorserve.messages.common import FinishReason, SamplingParams
+
+BLOCK = 16
+LENGTH = FinishReason.LENGTH
+
+
+def test_prompts_under_one_block_have_no_prefix_key():
+    assert prefix_key(list(range(BLOCK - 1)), BLOCK, 4) is None
+    assert prefix_key(list(range(BLOCK)), BLOCK, 4) is not None
+
+
+def test_prefix_key_is_the_first_full_blocks_only():
+    shared = list(range(4 * BLOCK))
+    assert prefix_key(shared + [1, 2, 3], BLOCK, 4) == prefix_key(shared + [9] * 40, BLOCK, 4)
+    assert prefix_key(shared, BLOCK, 4) != prefix_key(shared[:-1] + [7], BLOCK, 4)
+    # past max_blocks the prompt no longer matters; within them every block does
+    assert prefix_key(shared, BLOCK, 2) == prefix_key(shared[: 2 * BLOCK] + [5] * 30, BLOCK, 2)
+
+
+def keys(count: int) -> list[bytes]:
+    rng = random.Random(7)
+    return [prefix_key([rng.randrange(1000) for _ in range(BLOCK)], BLOCK, 4) for _ in range(count)]
+
+
+def test_affinity_is_stable_and_spreads_keys_over_the_replicas():
+    chosen = [choose_replica(k, [0, 0, 0], [True] * 3, 4) for k in keys(300)]
+    assert chosen == [choose_replica(k, [0, 0, 0], [True] * 3, 4) for k in keys(300)]
+    assert all(chosen.count(i) > 60 for i in range(3))
+
+
+def test_a_replica_leaving_moves_only_its_own_keys():
+    before = [choose_replica(k, [0, 0, 0], [True] * 3, 4) for k in keys(200)]
+    after = [choose_replica(k, [0, 0, 0], [True, False, True], 4) for k in keys(200)]
+    assert all(a == b for a, b in zip(before, after, strict=True) if a != 1)
+    assert 1 not in after
+
+
+def test_load_margin_is_respected():
+    key = keys(1)[0]
+    affine = choose_replica(key, [0, 0], [True, True], 2)
+    other = 1 - affine
+    loads = [0, 0]
+    loads[affine] = 2  # two above the least loaded: within the margin
+    assert choose_replica(key, loads, [True, True], 2) == affine
+    loads[affine] = 3  # three above: the least loaded takes it
+    assert choose_replica(key, loads, [True, True], 2) == other
+    loads[other] = 1  # back within the margin of it
+    assert choose_replica(key, loads, [True, True], 2) == affine
+
+
+def test_without_a_key_the_least_loaded_usable_replica_is_chosen():
+    assert choose_replica(None, [3, 1, 2], [True, True, True], 0) == 1
+    assert choose_replica(None, [3, 1, 2], [True, False, True], 0) == 2
+    assert choose_replica(None, [0, 0], [False, False], 0) is None
+
+
+def test_a_resumed_request_stream_starts_with_its_tokens_and_finished_samples():
+    request = GenerateRequest(
+        "r", prompt_token_ids=[1, 2], params=SamplingParams(n=3), resume=[ResumedSample(1, [5])]
+    )
+    stream = RequestStream(request)
+    assert (stream.unfinished, stream.finished, stream.done) == (1, 2, {0, 2})
+    stream.push(Delta("r", token_ids=[6], index=1))
+    assert stream.resumption().resume == [ResumedSample(1, [5, 6])]
+
+
+class FakeClient:
+    """Streams `tokens` one per delta; with `die_after`, fails as unavailable after that many."""
+
+    def __init__(self, tokens: list[int], die_after: int | None = None):
+        self.tokens = tokens
+        self.die_after = die_after
+        self.requests: list[tuple[list[int], list[ResumedSample] | None]] = []
+
+    async def generate(self, prompt, params, request_id, priority, resume=None):
+        self.requests.append((prompt, resume))
+        start = len(resume[0].output_token_ids) if resume else 0
+        for i, token in enumerate(self.tokens[start:], start):
+            if self.die_after is not None and i >= self.die_after:
+                raise EngineUnavailable("gone")
+            last = i == len(self.tokens) - 1
+            yield Delta(request_id, token_ids=[token], finish_reason=LENGTH if last else None)
+
+    async def health(self, timeout_s):
+        raise EngineUnavailable("gone")
+
+
+def test_a_stream_whose_replica_dies_resumes_on_another_with_its_tokens():
+    tokens = [11, 12, 13, 14, 15]
+    dying, healthy = FakeClient(tokens, die_after=2), FakeClient(tokens)
+
+    async def run() -> tuple[list[int], ReplicaSet]:
+        replicas = ReplicaSet([dying, healthy], BLOCK, 4, 4, 60.0)
+        out = [
+            t async for d in replicas.generate([1, 2], SamplingParams(), "r") for t in d.token_ids
+        ]
+        return out, replicas
+
+    out, replicas = asyncio.run(run())
+    assert out == tokens
+    assert healthy.requests == [([1, 2], [ResumedSample(0, [11, 12])])]
+    assert [r.up for r in replicas.replicas] == [False, True]
+    assert [r.in_flight for r in replicas.replicas] == [0, 0]
+
+
+def test_with_no_replica_left_the_failure_is_raised():
+    async def run() -> None:
+        replicas = ReplicaSet([FakeClient([1, 2, 3], die_after=1)], BLOCK, 4, 4, 60.0)
+        async for _ in replicas.generate([1], SamplingParams(), "r"):
+            pass
+
+    with pytest.raises(EngineError):
+        asyncio.run(run())
+
+
+def test_replica_stats_add_up():
+    total = sum_stats([EngineStats(num_running=2, blocks_total=10), EngineStats(num_running=1)])
+    assert (total.num_running, total.blocks_total) == (3, 10)
