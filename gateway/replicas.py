@@ -91,6 +91,7 @@ class ReplicaSet:
         tokenize: Callable[[str], list[int]] | None = None,
     ):
         self.replicas = [Replica(i, c) for i, c in enumerate(clients)]
+        self.serving: dict[str, Replica] = {}  # request id -> the replica streaming it now
         self.recheck_interval_s = recheck_interval_s
         self._rechecks: dict[int, asyncio.Task] = {}
         self.block_size = block_size
@@ -134,6 +135,8 @@ class ReplicaSet:
             current = replica
             current.in_flight += 1
             current.routed += 1
+            if request_id is not None:
+                self.serving[request_id] = current
             stream = current.client.generate(prompt, params, request_id, priority, resume)
             try:
                 async for delta in stream:
@@ -155,7 +158,16 @@ class ReplicaSet:
                 ]
             finally:
                 current.in_flight -= 1
+                if request_id is not None and self.serving.get(request_id) is current:
+                    del self.serving[request_id]
                 await stream.aclose()  # the SDK aborts a request left before it finished
+
+    async def abort(self, request_id: str) -> None:
+        """AsyncClient.abort on the replica serving `request_id` (on every replica when none
+        is known to: it may have ended, and an abort of an unknown id is a no-op there)."""
+        replica = self.serving.get(request_id)
+        for target in self.replicas if replica is None else [replica]:
+            await target.client.abort(request_id)
 
     def mark_down(self, replica: Replica) -> None:
         """No new requests for `replica` until it answers a health check (asked every

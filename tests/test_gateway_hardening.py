@@ -212,7 +212,7 @@ async def test_a_socket_past_its_live_request_cap_gets_an_error_frame_and_goes_o
         short = {"max_tokens": 2, "ignore_eos": True}
         await ws.send(json.dumps({"type": "generate", "id": "d", "prompt": "x", "params": short}))
         while not ((frame := await receive(ws))["type"] == "done" and frame["id"] == "d"):
-            assert frame["type"] == "delta"
+            assert frame["type"] == "delta" or frame["id"] != "d"  # b and c may end meanwhile
         assert frame["usage"]["completion_tokens"] == 2
 
 

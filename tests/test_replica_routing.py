@@ -85,6 +85,7 @@ class FakeClient:
         self.tokens = tokens
         self.die_after = die_after
         self.requests: list[tuple[list[int], list[ResumedSample] | None]] = []
+        self.aborted: list[str] = []
 
     async def generate(self, prompt, params, request_id, priority, resume=None):
         self.requests.append((prompt, resume))
@@ -97,6 +98,9 @@ class FakeClient:
 
     async def health(self, timeout_s):
         raise EngineUnavailable("gone")
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
 
 
 def test_a_stream_whose_replica_dies_resumes_on_another_with_its_tokens():
@@ -115,6 +119,23 @@ def test_a_stream_whose_replica_dies_resumes_on_another_with_its_tokens():
     assert healthy.requests == [([1, 2], [ResumedSample(0, [11, 12])])]
     assert [r.up for r in replicas.replicas] == [False, True]
     assert [r.in_flight for r in replicas.replicas] == [0, 0]
+
+
+def test_an_abort_goes_to_the_replica_streaming_the_request_else_to_every_replica():
+    first, second = FakeClient([1, 2, 3]), FakeClient([1, 2, 3])
+
+    async def run() -> ReplicaSet:
+        replicas = ReplicaSet([first, second], BLOCK, 4, 4, 60.0)
+        stream = replicas.generate([1], SamplingParams(), "r")
+        await anext(stream)  # under way on the least loaded: the first
+        await replicas.abort("r")
+        await stream.aclose()
+        await replicas.abort("ended")  # no replica streams it now
+        return replicas
+
+    replicas = asyncio.run(run())
+    assert (first.aborted, second.aborted) == (["r", "ended"], ["ended"])
+    assert replicas.serving == {}
 
 
 def test_with_no_replica_left_the_failure_is_raised():
