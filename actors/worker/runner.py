@@ -247,13 +247,12 @@ class ModelRunner:
         slicing; the CPU tests' path). Call once, at start, after the KV cache exists."""
         if self.config.enforce_eager or self.fast_path is not None:
             return []
-        record = self.device.type == "cuda" and not eager_replay
-        if not (record or eager_replay):
+        if self.device.type != "cuda" and not eager_replay:
             return []
         if self.buffers is None:
             self.buffers = self._step_buffers()
         sizes = graph_batch_sizes(self.config.max_num_seqs)
-        graphs = DecodeGraphs(self.model, self.kv_caches, self.buffers, sizes, record)
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.buffers, sizes, not eager_replay)
         with torch.inference_mode(), self._on_compute_stream():
             graphs.capture()
         self.decode_graphs = graphs
