@@ -169,8 +169,8 @@ def test_a_rank_loads_exactly_its_slices_of_the_checkpoint(qwen3_dir):
     assert torch.equal(part["model.layers.1.mlp.down_proj.weight"], down[:, inter // 2 :])
     assert torch.equal(part["lm_head.weight"], full["lm_head.weight"][16000:])
     assert torch.equal(part["model.embed_tokens.weight"], full["model.embed_tokens.weight"][16000:])
-    assert torch.equal(part["model.layers.1.self_attn.q_norm.weight"], full[
-        "model.layers.1.self_attn.q_norm.weight"])  # fmt: skip
+    norm = "model.layers.1.self_attn.q_norm.weight"
+    assert torch.equal(part[norm], full[norm])  # replicated
 
 
 # --- two ranks on gloo ---
