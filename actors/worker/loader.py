@@ -4,6 +4,9 @@ The model is built on the meta device (no random init, no memory), the checkpoin
 read from every *.safetensors shard, q/k/v and gate/up are concatenated into the fused
 parameters, and the results are assigned in place. Every tensor the model needs must be in the
 files and every tensor in the files must be used; either failure names the tensors.
+
+A tensor-parallel rank reads only its shard of each tensor (models/sharding.py), through
+safetensors' get_slice, so no rank holds the full model, even while loading.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from actorserve.kernels.elementwise import TORCH_ELEMENTWISE, ElementwiseOps
 
 from ..model_config import ModelConfig
 from .models.llama import CausalLM
+from .models.sharding import ShardLayout, TensorSlice
+from .tensor_parallel import TensorParallel
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -51,14 +56,18 @@ def load_model(
     dtype: torch.dtype,
     ops: AttentionOps,
     elementwise: ElementwiseOps = TORCH_ELEMENTWISE,
+    tp: TensorParallel | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
+    """-> (the model, holding rank `tp.rank`'s shard, whose forward does the collectives; its
+    config: this rank's num_heads, num_kv_heads and intermediate_size, the full vocab_size:
+    ShardLayout.rank_config). The single-device model without `tp`."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = CausalLM(config, ops, elementwise)
+        model = CausalLM(config, ops, elementwise, tp)
     wanted = {name: checkpoint_names(name) for name, _ in model.named_parameters()}
     needed = {part for parts in wanted.values() for part in parts}
-    tensors = _read_tensors(safetensors_files(model_dir), needed, config)
+    tensors = _read_tensors(safetensors_files(model_dir), needed, config, model.layout)
     state = {}
     for name, parts in wanted.items():
         pieces = [tensors.pop(part) for part in parts]
@@ -67,17 +76,19 @@ def load_model(
     _check_shapes(model, state)
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary.rebuild(device)
-    return model.requires_grad_(False).eval(), config
+    return model.requires_grad_(False).eval(), model.config
 
 
-def _read_tensors(files: list[Path], needed: set[str], config: ModelConfig) -> dict:
+def _read_tensors(
+    files: list[Path], needed: set[str], config: ModelConfig, layout: ShardLayout
+) -> dict:
     tensors: dict[str, torch.Tensor] = {}
     unexpected = []
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():
                 if key in needed:
-                    tensors[key] = f.get_tensor(key)
+                    tensors[key] = _read_shard(f, key, layout.checkpoint_slice(key))
                 elif not _ignorable(key, config):
                     unexpected.append(f"{key} ({path.name})")
     missing = sorted(needed - tensors.keys())
@@ -89,6 +100,20 @@ def _read_tensors(files: list[Path], needed: set[str], config: ModelConfig) -> d
             f"{config.architecture}: {_names(sorted(unexpected))}"
         )
     return tensors
+
+
+def _read_shard(f, key: str, part: TensorSlice | None) -> torch.Tensor:
+    """The tensor `key`, or only `part` of it (zero-padded to its length)."""
+    if part is None:
+        return f.get_tensor(key)
+    view = f.get_slice(key)
+    tensor = view[part.start : part.stop] if part.dim == 0 else view[:, part.start : part.stop]
+    missing = part.length - (part.stop - part.start)
+    if missing:
+        pad = list(tensor.shape)
+        pad[part.dim] = missing
+        tensor = torch.cat((tensor, tensor.new_zeros(pad)), dim=part.dim)
+    return tensor
 
 
 def _ignorable(key: str, config: ModelConfig) -> bool:

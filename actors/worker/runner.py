@@ -49,6 +49,7 @@ from .logprobs import PromptLogprobsTracker, start_sample_logprobs
 from .models.llama import AttentionMetadata
 from .sampler import Sampler, SampleRow, is_plain_greedy
 from .step_buffers import StepBuffers
+from .tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
     from ...kernels.cpu.fast_path import CpuFastPath
@@ -90,14 +91,20 @@ class ModelRunner:
         kv: KVCache,
         device: torch.device,
         fast_path: CpuFastPath | None = None,
+        tp: TensorParallel | None = None,
     ):
-        """`fast_path`: prepared over this model and `kv` (CpuFastPath.prepare), or None."""
+        """`fast_path`: prepared over this model and `kv` (CpuFastPath.prepare), or None. `tp`:
+        the model's group; every rank runs the same plans and samples the same tokens."""
         self.config = config
         self.model = model
         self.fast_path = fast_path
         self.compute_logits = (
             model.compute_logits if fast_path is None else fast_path.compute_logits
         )
+        # the LM head's own greedy pick: the fast path's fused head, or a tensor-parallel model's
+        # gather of each rank's best token (no full logits); the single-device torch path has none
+        greedy = model.greedy_tokens if tp is not None and tp.size > 1 else None
+        self.greedy_tokens = greedy if fast_path is None else fast_path.greedy_tokens
         self.kv = kv
         self.kv_caches = kv.layers
         self.device = device
@@ -325,9 +332,9 @@ class ModelRunner:
         (else None), their logprobs ([] when none asked), and (tracing) when the LM head was
         done.
 
-        Rows that are plain greedy get their tokens from the LM head itself (the fast path's
-        greedy_tokens, where it serves) and make no logits; the others go through the logits and
-        the sampler, on their own rows."""
+        Rows that are plain greedy get their tokens from the LM head itself (greedy_tokens,
+        where one serves) and make no logits; the others go through the logits and the sampler,
+        on their own rows."""
         rows = inputs.sample_rows
         if not rows:
             return [], None, [], forwarded
@@ -339,8 +346,8 @@ class ModelRunner:
             plain = [i for i, row in enumerate(rows) if is_plain_greedy(row)]
         every_plain = len(plain) == len(rows)
         fused = None
-        if plain and self.fast_path is not None:
-            fused = self.fast_path.greedy_tokens(sampled if every_plain else sampled[plain])
+        if plain and self.greedy_tokens is not None:
+            fused = self.greedy_tokens(sampled if every_plain else sampled[plain])
         if fused is None:  # no plain row, or no fused head on this device
             plain = []
         elif every_plain:

@@ -8,6 +8,11 @@ torch unless a backend gives its own, as the CPU fast path and the Triton kernel
 here knows a backend: the CPU fast path (kernels/cpu/fast_path.py) lays out and packs these
 weights itself. Parameter names follow Hugging Face's, except the fused `qkv_proj` (rows q, k, v)
 and `gate_up_proj` (rows gate, up); the loader concatenates the checkpoint's tensors to match.
+
+Tensor parallel (`tp` of more than one rank): each rank's model holds its shard (sharding.py:
+its query and KV heads, its part of the MLP, its rows of the vocabulary) and its forward does the
+collectives (parallel.py): an all-reduce after o_proj, after down_proj and of the embedding, an
+all-gather of the logits or of each row's best token.
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from actorserve.kernels import AttentionOps
 from actorserve.kernels.elementwise import TORCH_ELEMENTWISE, ElementwiseOps
 
 from ...model_config import ModelConfig, RopeScaling
+from ..tensor_parallel import TensorParallel
+from .parallel import gathered_logits, greedy_ids, row_parallel, vocab_parallel_embedding
+from .sharding import ShardLayout
 
 
 class AttentionMetadata(NamedTuple):
@@ -105,9 +112,17 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: AttentionOps, elementwise: ElementwiseOps):
+    """`config`: this rank's (ShardLayout.rank_config), whose heads it computes."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: AttentionOps,
+        elementwise: ElementwiseOps,
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
-        self.ops = ops
+        self.ops, self.tp = ops, tp
         # q/k norm and neox-style rope in one step (the tables' layout: see RotaryEmbedding)
         self.qk_norm_rope = elementwise.qk_norm_rope
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -140,25 +155,34 @@ class Attention(nn.Module):
         out = self.ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
         )
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return row_parallel(self.o_proj, out.reshape(x.shape[0], -1), self.tp)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, elementwise: ElementwiseOps) -> None:
+    def __init__(
+        self, config: ModelConfig, elementwise: ElementwiseOps, tp: TensorParallel
+    ) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.silu_mul = elementwise.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.silu_mul(self.gate_up_proj(x)))
+        return row_parallel(self.down_proj, self.silu_mul(self.gate_up_proj(x)), self.tp)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: AttentionOps, elementwise: ElementwiseOps):
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: AttentionOps,
+        elementwise: ElementwiseOps,
+        tp: TensorParallel,
+    ):
         super().__init__()
-        self.self_attn = Attention(config, ops, elementwise)
-        self.mlp = MLP(config, elementwise)
+        self.self_attn = Attention(config, ops, elementwise, tp)
+        self.mlp = MLP(config, elementwise, tp)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, elementwise)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, elementwise)
@@ -184,33 +208,47 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, ops: AttentionOps, elementwise: ElementwiseOps):
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: AttentionOps,
+        elementwise: ElementwiseOps,
+        tp: TensorParallel,
+        rows: int,
+    ) -> None:
+        """`rows`: this rank's rows of the (padded) vocabulary."""
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, ops, elementwise) for _ in range(config.num_layers)
+            DecoderLayer(config, ops, elementwise, tp) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, elementwise)
 
 
 class CausalLM(nn.Module):
-    """Decoder + LM head. With tied embeddings there is no `lm_head`; the embedding serves."""
+    """Decoder + LM head. With tied embeddings there is no `lm_head`; the embedding serves.
+
+    Built from the full model's `config`, it holds rank `tp.rank`'s shard (`layout`); its
+    `config` is then the rank's (ShardLayout.rank_config: its heads, its intermediate size,
+    the full vocab_size)."""
 
     def __init__(
         self,
         config: ModelConfig,
         ops: AttentionOps,
         elementwise: ElementwiseOps = TORCH_ELEMENTWISE,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
-        self.config = config
+        self.tp = TensorParallel.single() if tp is None else tp
+        self.layout = ShardLayout.of(config, self.tp.rank, self.tp.size)
+        self.config = config = self.layout.rank_config(config)
         self.elementwise = elementwise
-        self.model = DecoderModel(config, ops, elementwise)
+        rows = self.layout.vocab_rows
+        self.model = DecoderModel(config, ops, elementwise, self.tp, rows)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
         )
 
     def forward(
@@ -224,7 +262,7 @@ class CausalLM(nn.Module):
 
         kv_caches[layer] = (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, D].
         """
-        h = self.model.embed_tokens(input_ids)
+        h = vocab_parallel_embedding(self.model.embed_tokens, input_ids, self.layout, self.tp)
         rope = self.rotary(positions, h.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
@@ -232,9 +270,15 @@ class CausalLM(nn.Module):
         return self.model.norm(h, residual)[0]
 
     def lm_head_weight(self) -> torch.Tensor:
-        """[vocab, hidden]: the LM head's weight, or the embedding's where they are tied."""
+        """[vocab rows, hidden]: the LM head's weight, or the embedding's where they are tied
+        (this rank's rows of the padded vocabulary: all of it on a single device)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
-        return F.linear(hidden, self.lm_head_weight()).float()
+        """hidden [N, hidden] -> logits [N, vocab] float32, the full vocabulary on every rank."""
+        return gathered_logits(hidden, self.lm_head_weight(), self.config.vocab_size, self.tp)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> [N] int64: each row's first maximum over the full vocabulary,
+        the same on every rank, with no full logits made (parallel.greedy_ids)."""
+        return greedy_ids(hidden, self.lm_head_weight(), self.layout, self.tp)
