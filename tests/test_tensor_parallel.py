@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from pathlib import Path
 
 import pytest
 
+from actorserve.actors.config import EngineConfig
+from actorserve.actors.worker.tp_group import rank_device
 from actorserve.gateway.client import AsyncClient
 from actorserve.messages.common import SamplingParams
+from actorserve.messages.structured import StructuredKind, StructuredOutput
 from support import (
     EngineServer,
     generate_concurrently,
@@ -24,8 +28,6 @@ from support import (
     prompts_of_lengths,
 )
 
-pytestmark = pytest.mark.slow
-
 GROUP_OF_TWO = ("--tensor-parallel-size", "2", "--torch-threads", "1")
 # 48 blocks x 16 = 768 tokens: one 500-token prompt fits, the sixteen together do not (requests
 # are preempted); a 64-token step budget prefills every prompt over 64 tokens in chunks.
@@ -34,6 +36,37 @@ SUPERVISION = ("--heartbeat-interval-s", "0.5", "--max-restarts", "10")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 STREAMED = SamplingParams(temperature=0.0, max_tokens=48)
 FOLLOWER_MODULE = "actorserve.actors.worker.tp_follower"
+
+
+def test_tensor_parallel_size_below_one_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        EngineConfig(model="m", tensor_parallel_size=0).validate()
+
+
+def test_cpu_ranks_share_the_cores_and_serve_without_the_cpu_fast_path():
+    cores = os.cpu_count() or 1
+    cpu = EngineConfig(model="m", tensor_parallel_size=2).resolve_device("cpu")
+    assert cpu.torch_threads == max(1, cores // 2) and not cpu.cpu_fast_path
+    assert EngineConfig(model="m").resolve_device("cpu").cpu_fast_path  # one rank keeps it
+    given = EngineConfig(model="m", tensor_parallel_size=2, torch_threads=3).resolve_device("cpu")
+    assert given.torch_threads == 3  # each rank's, as set
+    replicas = EngineConfig(model="m", tensor_parallel_size=2, data_parallel_size=2)
+    assert replicas.resolve_device("cpu").torch_threads == max(1, cores // 4)
+    cuda = EngineConfig(model="m", tensor_parallel_size=2).resolve_device("cuda")
+    assert cuda.torch_threads == 1 and cuda.cpu_fast_path  # not the CPU's to turn off there
+
+
+def test_rank_r_serves_on_the_r_th_cuda_device_and_a_missing_one_is_named():
+    import torch
+
+    on_cpu = EngineConfig(model="m", device="cpu", tensor_parallel_size=2)
+    assert rank_device(on_cpu, 1) == torch.device("cpu")
+    group = EngineConfig(model="m", device="cuda", tensor_parallel_size=2)
+    if torch.cuda.device_count() >= 2:
+        assert [rank_device(group, r).index for r in (0, 1)] == [0, 1]
+    else:
+        with pytest.raises(ValueError, match="tensor_parallel_size 2 .* needs cuda:1"):
+            rank_device(group, 1)
 
 
 def parent_of(pid: int) -> int | None:
@@ -152,6 +185,7 @@ def assert_group_equals_one_worker_and_transformers(model_dir, group: EngineServ
         assert ids == hf_greedy(model_dir, prompt, GREEDY.max_tokens), f"{len(prompt)} tokens"
 
 
+@pytest.mark.slow
 def test_two_ranks_serve_llama_greedy_tokens_equal_to_one_worker_and_transformers(
     llama_dir, llama_group
 ):
@@ -160,6 +194,17 @@ def test_two_ranks_serve_llama_greedy_tokens_equal_to_one_worker_and_transformer
     assert_group_equals_one_worker_and_transformers(llama_dir, llama_group)
 
 
+@pytest.mark.slow
+def test_a_structured_request_on_two_ranks_matches_its_regex_and_its_seed(llama_group):
+    """Each rank compiles the grammar (rank 0 answers GrammarReady) and masks the same rows."""
+    regex = StructuredOutput(StructuredKind.REGEX, "[a-c]{3}-[0-9]{2}")
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=3, structured=regex)
+    first, again = (llama_group.client.complete("x", params) for _ in range(2))
+    assert re.fullmatch(regex.text, first.text) and first.finish_reason.value == "stop"
+    assert again.text == first.text
+
+
+@pytest.mark.slow
 def test_two_ranks_serve_qwen3_greedy_tokens_equal_to_one_worker_and_transformers(qwen3_dir):
     group = EngineServer(qwen3_dir, *GROUP_OF_TWO, *PRESSURE)
     try:
@@ -168,6 +213,7 @@ def test_two_ranks_serve_qwen3_greedy_tokens_equal_to_one_worker_and_transformer
         assert group.stop() == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", ["follower", "rank 0"])
 def test_sigkill_of_a_rank_mid_stream_restarts_the_group_and_streams_complete_identical(
     llama_group, streamed_prompts, victim
@@ -189,6 +235,7 @@ def test_sigkill_of_a_rank_mid_stream_restarts_the_group_and_streams_complete_id
     assert not is_alive(worker) and not is_alive(follower)
 
 
+@pytest.mark.slow
 def test_stopping_the_server_leaves_no_rank_behind(llama_group):
     worker, (follower,) = group_pids(llama_group)
     with open(llama_group.log_path) as log:  # stop() removes the file; this reads it still

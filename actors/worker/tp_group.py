@@ -89,13 +89,20 @@ def join_group(config: EngineConfig, rank: int, init_file: str):
 def die_with_parent(parent_pid: int) -> None:
     """SIGKILL this process when its parent (rank 0) dies; exit now if it already did. A
     follower holds nothing that outlives its group, so it needs no orderly stop then."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    else:
+    if not _kill_on_parent_death():
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     if os.getppid() != parent_pid:  # it died before the prctl
         os._exit(GROUP_BROKEN)
+
+
+def _kill_on_parent_death() -> bool:
+    """PR_SET_PDEATHSIG with SIGKILL (Linux); False where it cannot be set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL) == 0
+    except OSError:
+        return False
 
 
 def _watch_parent(parent_pid: int) -> None:
