@@ -40,7 +40,7 @@ from ...messages.structured import GrammarReady
 from ..config import WORKER_STEPS, EngineConfig
 from ..runtime import Actor, actor_main
 from .step_handler import StepHandler
-from .tp_group import FollowerGroup, join_group, rank_device
+from .tp_group import GROUP_BROKEN, FollowerGroup, join_group, rank_device
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -184,6 +184,12 @@ class Worker(Actor):
             with torch.inference_mode():  # entered once, not once a step (runner.execute)
                 while handler.handle(broadcast(steps.recv())):
                     pass
+        except Exception:
+            if self.group is None:
+                raise  # _forward_ended stops the Worker
+            # a follower gone mid-broadcast: exit as the follower watch would, for a restart
+            self.log.exception("the group's broadcast failed: exiting, so the group restarts")
+            os._exit(GROUP_BROKEN)
         finally:
             results.close()
             steps.close(linger=0)
