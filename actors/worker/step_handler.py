@@ -105,10 +105,10 @@ class StepHandler:
             os._exit(70)
 
     def _execute(self, plan: StepPlan) -> StepResult:
-        """The plan's StepResult; a step that raises is answered with StepResult.error and its
-        requests are dropped, the Worker serving on. Not in a group: a rank whose step raised
-        cannot tell whether its peers wait in one of the step's collectives (a failure of its
-        own, or of a peer's collective), so it exits and the supervisor restarts the group."""
+        """The plan's StepResult. A single Worker answers a step that raises with
+        StepResult.error, drops its requests and serves on. A rank of a group exits instead: it
+        cannot tell whether its peers wait in one of the step's collectives (its failure may be
+        its own, or a peer's in a collective), and the supervisor restarts the group."""
         before = self.tp.all_reduce_s
         try:
             result = self.runner.execute(plan)
