@@ -38,11 +38,6 @@ DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
 # torch_threads when unset on CUDA: the host thread only launches kernels, and more threads
 # would take cores from the other actors (the CPU default is every core).
 CUDA_TORCH_THREADS = 1
-PREEMPTION_MODES = get_args(PreemptionMode)
-VICTIM_POLICIES = get_args(VictimPolicy)
-GREEDY_HEAD_SCREENS = get_args(GreedyHeadScreen)
-DTYPES = get_args(Dtype)
-KV_CACHE_DTYPES = get_args(KvCacheDtype)
 
 
 class ModelFacts(msgspec.Struct, frozen=True):
@@ -193,12 +188,20 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     torch_threads: Annotated[
         int | None,
         Meta(
-            description="the Worker's torch threads; unset: 1 on CUDA, else the cores shared "
-            "out among the data_parallel_size replicas (1 at least)"
+            description="each Worker rank's torch threads; unset: 1 on CUDA, else the cores "
+            "shared out among the data_parallel_size replicas' tensor_parallel_size ranks (1 "
+            "at least)"
         ),
     ] = None
     data_parallel_size: Annotated[
         int, Meta(description="`serve`: engine stacks, one gateway routing across them")
+    ] = 1
+    tensor_parallel_size: Annotated[
+        int,
+        Meta(
+            description="Worker ranks sharing the model, rank r on cuda:r; on CPU above 1: "
+            "cpu_fast_path off, the cores shared out among the ranks (torch_threads)"
+        ),
     ] = 1
     # CUDA only
     enforce_eager: Annotated[
@@ -298,11 +301,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting out of range."""
+
+        def one_of(name: str, choices) -> tuple[str, bool, str]:  # choices: a Literal type
+            return name, getattr(self, name) in get_args(choices), f"one of {get_args(choices)}"
+
         checks = [
             ("block_size", self.block_size in (8, 16, 32, 64), "one of 8, 16, 32, 64"),
             ("max_num_seqs", self.max_num_seqs is None or self.max_num_seqs >= 1, ">= 1"),
             ("torch_threads", self.torch_threads is None or self.torch_threads >= 1, ">= 1"),
             ("data_parallel_size", self.data_parallel_size >= 1, ">= 1"),
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1"),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "in (0, 1]"),
             ("swap_space_gb", self.swap_space_gb >= 0.0, ">= 0"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
@@ -320,23 +328,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("client_lease_s", self.client_lease_s > 0, "> 0"),
             ("client_queue_messages", self.client_queue_messages >= 1, ">= 1"),
             ("final_only_flush_s", self.final_only_flush_s >= 0, ">= 0"),
-            (
-                "preemption_mode",
-                self.preemption_mode in PREEMPTION_MODES,
-                f"one of {PREEMPTION_MODES}",
-            ),
-            ("dtype", self.dtype in DTYPES, f"one of {DTYPES}"),
-            ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {KV_CACHE_DTYPES}"),
-            (
-                "greedy_head_screen",
-                self.greedy_head_screen in GREEDY_HEAD_SCREENS,
-                f"one of {GREEDY_HEAD_SCREENS}",
-            ),
-            (
-                "preemption_victim",
-                self.preemption_victim in VICTIM_POLICIES,
-                f"one of {VICTIM_POLICIES}",
-            ),
+            one_of("preemption_mode", PreemptionMode),
+            one_of("dtype", Dtype),
+            one_of("kv_cache_dtype", KvCacheDtype),
+            one_of("greedy_head_screen", GreedyHeadScreen),
+            one_of("preemption_victim", VictimPolicy),
             (
                 "max_num_batched_tokens",
                 self.max_num_seqs is None or self.max_num_batched_tokens >= self.max_num_seqs,
@@ -363,19 +359,24 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         `max_num_seqs` (DEFAULT_MAX_NUM_SEQS, at most max_num_batched_tokens, so that a default
         never fails the check that every running decode fits in a step) and `torch_threads`
         (CUDA_TORCH_THREADS on CUDA; on CPU the cores, shared out among data_parallel_size
-        replicas). Settings the user gave stay, and validate() passes on the result wherever it
-        passed before (what it fills is in range). The Worker resolves its own config with it,
-        and the supervisor, once the Worker's Ready names its device, the one every later actor
-        gets: the same rule."""
+        replicas' tensor_parallel_size ranks); `cpu_fast_path` off on CPU with more than one
+        rank (its packed weights and fused heads are whole-model ones). Settings the user gave
+        stay, and validate() passes on the result wherever it passed before. The Worker
+        resolves its own config with it, and the supervisor, once the Worker's Ready names its
+        device, the one every later actor gets: the same rule."""
         kind = "cuda" if device_type == "cuda" else "cpu"
         max_num_seqs = self.max_num_seqs
         if max_num_seqs is None:
             max_num_seqs = min(DEFAULT_MAX_NUM_SEQS[kind], self.max_num_batched_tokens)
         threads = self.torch_threads
         if threads is None:
-            cores = max(1, (os.cpu_count() or 1) // self.data_parallel_size)
+            processes = self.data_parallel_size * self.tensor_parallel_size
+            cores = max(1, (os.cpu_count() or 1) // processes)
             threads = CUDA_TORCH_THREADS if kind == "cuda" else cores
-        return msgspec.structs.replace(self, max_num_seqs=max_num_seqs, torch_threads=threads)
+        fast_path = self.cpu_fast_path and (kind == "cuda" or self.tensor_parallel_size == 1)
+        return msgspec.structs.replace(
+            self, max_num_seqs=max_num_seqs, torch_threads=threads, cpu_fast_path=fast_path
+        )
 
     def resolve_kv_blocks(self, num_kv_blocks: int, num_cpu_blocks: int = 0) -> EngineConfig:
         """Fix the block count the Worker measured; every sequence must fit in the cache alone."""

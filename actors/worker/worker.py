@@ -1,14 +1,17 @@
-"""Worker actor: owns the device, the model, the paged KV cache and (on CUDA) its streams.
+"""Worker actor: owns the device, the model, the paged KV cache and (on CUDA) its streams; with
+tensor_parallel_size N, rank 0 of a group of N ranks (tp_group.py), which it starts and stops.
 
 Inbox: StepPlan, CompileGrammar, Reset (Scheduler), read by the forward thread from its own
-mailbox (WORKER_STEPS); Stop, on the event loop's. Plans of another epoch than the last Reset's
-are dropped.
-Outbox: StepResult, GrammarReady -> Scheduler; Ready (with num_kv_blocks and its device type),
-Heartbeat -> supervisor.
-Owns: model weights, KV cache tensors, the persistent batch (runner.py), the compiled grammars
-and their compile thread (grammar_cache.py).
-Dies when: Stop, or its supervisor goes away (then by SIGTERM). A failing step is answered with
-StepResult.error, and the Worker keeps serving.
+mailbox (WORKER_STEPS), and broadcast to the follower ranks before it handles them; Stop, on the
+event loop's. Plans of another epoch than the last Reset's are dropped.
+Outbox: StepResult, GrammarReady -> Scheduler; Ready (with num_kv_blocks, the smallest rank's,
+and its device type), Heartbeat -> supervisor. The followers answer nothing.
+Owns: model weights (its shard), KV cache tensors, the persistent batch (runner.py), the compiled
+grammars and their compile thread (grammar_cache.py); the follower processes (tp_follower.py).
+Dies when: Stop (the followers get it too, and are waited for), or its supervisor goes away (then
+by SIGTERM). A follower that exits makes it exit at once (GROUP_BROKEN), for a restart of the
+whole group. A failing step is answered with StepResult.error, and the Worker keeps serving
+(in a group it exits instead: step_handler.py).
 
 The forward runs on a thread of its own so the event loop keeps sending heartbeats meanwhile.
 That thread reads the plans (and Resets, in order with them) from its own socket, decodes them
@@ -24,32 +27,32 @@ import logging
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 
 from ...kernels import attention_ops, elementwise_ops
-from ...messages.codec import DecodeError, Decoder, WorkerInbox, WorkerStepsInbox, encode
-from ...messages.control import Ready, Reset, Stop
-from ...messages.step import StepPlan, StepResult
-from ...messages.structured import CompileGrammar, GrammarReady
+from ...messages.codec import WorkerInbox, encode
+from ...messages.control import Ready, Stop
+from ...messages.step import StepResult
+from ...messages.structured import GrammarReady
 from ..config import WORKER_STEPS, EngineConfig
 from ..runtime import Actor, actor_main
+from .step_handler import StepHandler
+from .tp_group import GROUP_BROKEN, FollowerGroup, join_group, rank_device
+
+if TYPE_CHECKING:
+    from .runner import ModelRunner
+    from .tensor_parallel import TensorParallel
 
 
-def worker_device(cfg: EngineConfig):
-    """The torch device the Worker serves on: `device`, where auto is cuda if there is one."""
-    import torch
-
-    if cfg.device != "auto":
-        return torch.device(cfg.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def build_runner(cfg: EngineConfig):
-    """Load the model, allocate the KV cache (sizing.py: `num_kv_blocks`, else as many blocks as
-    the memory budget holds) and the swap space, hand both to the CPU fast path where it serves,
-    make the ModelRunner: what the Worker serves with (scripts/bench_step.py measures the same
-    one). The runner gets `cfg` resolved for its device (EngineConfig.resolve_device)."""
+def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None):
+    """Load the model (this rank's shard of it, with `tp`), allocate the KV cache (sizing.py:
+    `num_kv_blocks`, else as many blocks as the memory budget holds) and the swap space, hand
+    both to the CPU fast path where it serves, make the ModelRunner: what the Worker serves
+    with (scripts/bench_step.py measures the same one). The runner gets `cfg` resolved for its
+    device (EngineConfig.resolve_device)."""
     import torch
 
     from ...kernels.cpu.fast_path import CpuFastPath
@@ -59,8 +62,10 @@ def build_runner(cfg: EngineConfig):
     from .loader import load_model
     from .runner import ModelRunner
     from .sizing import device_kv_blocks, swap_blocks
+    from .tensor_parallel import TensorParallel
 
-    device = worker_device(cfg)
+    tp = tp or TensorParallel.single()
+    device = rank_device(cfg, tp.rank)
     cfg = cfg.resolve_device(device.type)
     stored = ModelConfig.from_dir(cfg.model).dtype  # config.json's dtype (or torch_dtype)
     dtype, dtype_reason = dtypes.model_dtype(cfg.dtype, stored, device)
@@ -73,7 +78,7 @@ def build_runner(cfg: EngineConfig):
             f"backend, got {kv_dtype}"
         )
     elementwise = elementwise_ops(ops) if fast_path is None else fast_path.elementwise
-    model, shape = load_model(cfg.model, device, dtype, ops, elementwise)
+    model, shape = load_model(cfg.model, device, dtype, ops, elementwise, tp=tp)
     if device.type == "cuda" and ops.name == "triton":  # no request waits for a compile
         from ...kernels.triton_warm_up import warm_up_triton
 
@@ -96,12 +101,40 @@ def build_runner(cfg: EngineConfig):
         "tokens", cfg.model, device, dtype, torch.get_num_threads(), ops.name,
         "on" if fast_path is not None else "off", num_blocks, cfg.block_size,
     )  # fmt: skip
-    runner = ModelRunner(cfg, model, kv, device, fast_path)
+    runner = ModelRunner(cfg, model, kv, device, fast_path, tp=tp)
     if device.type == "cuda":  # compiled and captured before the first request, not during it
         runner.sampler.warm_up(shape.vocab_size)
         sizes = runner.capture_decode_graphs()  # [] with enforce_eager
         log.info("decode CUDA graphs for batch sizes %s", sizes or "none (enforce_eager)")
     return runner
+
+
+@dataclass
+class Rank:
+    """One rank of a Worker group, built: its config (resolved for its device), its
+    collectives, its runner, and the KV block counts every rank of the group can hold."""
+
+    config: EngineConfig
+    tp: TensorParallel
+    runner: ModelRunner
+    num_kv_blocks: int
+    num_cpu_blocks: int
+
+
+def build_rank(config: EngineConfig, rank: int, init_file: str) -> Rank:
+    """Resolve the config for the rank's device, set its torch threads, join the group, build
+    the runner, agree on the block counts (the smallest rank's). Every rank runs this, so the
+    group's collectives (the loading's, the profiling step's, the block counts') come in the
+    same order on each."""
+    import torch
+
+    config = config.resolve_device(rank_device(config, rank).type)
+    torch.set_num_threads(config.torch_threads)
+    tp = join_group(config, rank, init_file)
+    runner = build_runner(config, tp)
+    num_kv_blocks = tp.min_int(runner.kv.num_blocks)
+    num_cpu_blocks = tp.min_int(runner.kv.num_cpu_blocks)
+    return Rank(config, tp, runner, num_kv_blocks, num_cpu_blocks)
 
 
 class Worker(Actor):
@@ -115,87 +148,51 @@ class Worker(Actor):
         # parallel regions, and every op then pays a futex wake-up.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self.loop = asyncio.get_running_loop()
-        await self.loop.run_in_executor(self.executor, self._build)
+        self.group = None  # the follower ranks, started from this (the main) thread
+        if self.config.tensor_parallel_size > 1:
+            self.group = FollowerGroup.spawn(self.config)
+        init_file = "" if self.group is None else self.group.init_file
+        self.rank = await self.loop.run_in_executor(
+            self.executor, build_rank, self.config, 0, init_file
+        )
+        self.config, self.runner = self.rank.config, self.rank.runner
         steps = self.ctx.socket(zmq.PULL)  # handed to the forward thread, which alone uses it
         steps.setsockopt(zmq.RCVHWM, 0)
         steps.bind(self.addresses.mailbox(WORKER_STEPS))
         self.forward = self.loop.run_in_executor(self.executor, self._forward_loop, steps)
         self.forward.add_done_callback(self._forward_ended)
 
-    def _build(self) -> None:
-        """Resolve the config for the device, set the torch threads, then build the runner (on
-        the forward thread)."""
-        import torch
-
-        self.config = self.config.resolve_device(worker_device(self.config).type)
-        torch.set_num_threads(self.config.torch_threads)
-        self.runner = build_runner(self.config)
-        self.epoch = self.config.epoch
-
     def ready(self) -> Ready:
         return Ready(
             actor=self.name,
             pid=os.getpid(),
-            num_kv_blocks=self.runner.kv.num_blocks,
-            num_cpu_blocks=self.runner.kv.num_cpu_blocks,
+            num_kv_blocks=self.rank.num_kv_blocks,
+            num_cpu_blocks=self.rank.num_cpu_blocks,
             device=self.runner.device.type,
         )
 
     def _forward_loop(self, steps: zmq.Socket) -> None:
-        """The forward thread, until a Stop on its mailbox: run each plan of the current epoch
-        in order and send its StepResult (on this thread's own socket to the Scheduler)."""
+        """The forward thread, until a Stop on its mailbox: broadcast each message to the
+        follower ranks (nothing without a group), then handle it (step_handler.py), sending
+        each StepResult on this thread's own socket to the Scheduler."""
         import torch
 
         results = self._connect("scheduler")
+        handler = StepHandler(self.runner, self.config, self.rank.tp, LeaderReplies(self, results))
+        broadcast = self.rank.tp.broadcast_bytes
         try:
             with torch.inference_mode():  # entered once, not once a step (runner.execute)
-                self._run_steps(steps, results)
+                while handler.handle(broadcast(steps.recv())):
+                    pass
+        except Exception:
+            if self.group is None:
+                raise  # _forward_ended stops the Worker
+            # a follower gone mid-broadcast: exit as the follower watch would, for a restart
+            self.log.exception("the group's broadcast failed: exiting, so the group restarts")
+            os._exit(GROUP_BROKEN)
         finally:
             results.close()
             steps.close(linger=0)
-
-    def _run_steps(self, steps: zmq.Socket, results: zmq.Socket) -> None:
-        decoder: Decoder[StepPlan | CompileGrammar | Reset | Stop] = Decoder(WorkerStepsInbox)
-        while True:
-            data = steps.recv()
-            try:
-                item = decoder.decode(data)
-            except DecodeError as exc:
-                self.loop.call_soon_threadsafe(
-                    self.report_error, f"could not decode a {len(data)}-byte step: {exc}"
-                )
-                continue
-            if isinstance(item, Stop):
-                return
-            if isinstance(item, CompileGrammar):
-                self._compile_grammar(item)
-                continue
-            if isinstance(item, Reset):
-                self.epoch = item.epoch
-                self.runner.forget_all()
-            elif item.epoch == self.epoch:
-                self._crash_if_faulty(item)
-                result = self._execute(item)
-                if item.running or item.new:
-                    results.send(encode(result), copy=False)
-
-    def _compile_grammar(self, message: CompileGrammar) -> None:
-        """Start the compile on the compile thread; the event loop answers when it is done."""
-        epoch, spec = message.epoch, message.spec
-
-        def answer(error: str | None) -> None:
-            ready = GrammarReady(epoch, spec, error)
-            self.loop.call_soon_threadsafe(self.send, "scheduler", ready)
-
-        self.runner.grammars.when_compiled(spec, answer)
-
-    def _crash_if_faulty(self, plan: StepPlan) -> None:
-        """The tests' poison request (EngineConfig.fault_crash_on_token_id): a new request whose
-        tokens hold that id kills this process at once, as a crash in native code would."""
-        token = self.config.fault_crash_on_token_id
-        if token is not None and any(token in new.token_ids for new in plan.new):
-            self.log.error("fault_crash_on_token_id %d: crashing, as configured", token)
-            os._exit(70)
 
     def _forward_ended(self, future: asyncio.Future) -> None:
         """A forward thread that died (not by teardown's Stop) stops the Worker: the supervisor
@@ -204,23 +201,38 @@ class Worker(Actor):
             self.log.error("the forward thread failed", exc_info=future.exception())
             self.request_stop()
 
-    def _execute(self, plan: StepPlan) -> StepResult:
-        try:
-            return self.runner.execute(plan)
-        except Exception as exc:
-            self.log.exception("step %d failed", plan.step_id)
-            for rid in [u.request_id for u in plan.running] + [n.request_id for n in plan.new]:
-                self.runner.forget(rid)
-            return StepResult(
-                plan.epoch, plan.step_id, [], [], error=f"{type(exc).__name__}: {exc}"
-            )
-
     async def teardown(self) -> None:
-        if not self.forward.done():
+        stop_sent = not self.forward.done()
+        if self.group is not None:
+            self.group.stopping()  # before the Stop: the followers' exits are expected now
+        if stop_sent:
             self.send(WORKER_STEPS, Stop(reason="teardown"))  # after any plan already queued
         await asyncio.wait([self.forward])
+        if self.group is not None:
+            # followers that got no Stop (the forward thread failed) wait for none: killed
+            timeout_s = self.config.stop_timeout_s / 2 if stop_sent else 0.0
+            await asyncio.to_thread(self.group.wait, timeout_s)
+        await self.loop.run_in_executor(self.executor, self.rank.tp.close)
         self.executor.shutdown(wait=True)
         self.runner.grammars.close()
+
+
+class LeaderReplies:
+    """Rank 0's answers (step_handler.Replies): StepResults on the forward thread's socket, the
+    rest through the event loop (the compile thread answers GrammarReady)."""
+
+    def __init__(self, worker: Worker, results: zmq.Socket):
+        self.worker = worker
+        self.results = results
+
+    def step_result(self, result: StepResult) -> None:
+        self.results.send(encode(result), copy=False)
+
+    def grammar_ready(self, ready: GrammarReady) -> None:
+        self.worker.loop.call_soon_threadsafe(self.worker.send, "scheduler", ready)
+
+    def error(self, message: str) -> None:
+        self.worker.loop.call_soon_threadsafe(self.worker.report_error, message)
 
 
 if __name__ == "__main__":
