@@ -227,6 +227,9 @@ class HTTPGateway:
             settings.route_load_margin,
             settings.health_interval_s,
             chat.tokenizer.encode,
+            kv_high=settings.route_kv_high,
+            stats_interval_s=settings.route_stats_interval_s,
+            policy=settings.route_policy,
         )
         self.app = create_app(self.client, self.settings, chat)
         config = GatewayConfig(
