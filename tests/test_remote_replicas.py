@@ -2,16 +2,18 @@
 tcp://127.0.0.2 and tcp://127.0.0.3 (Linux routes all of 127/8 to lo) with CurveZMQ, each
 authorizing the gateway's client key, and one `--role gateway` server in front of them, every one
 a real process. Completions over HTTP land on both replicas; a gateway whose client key no
-replica authorizes, or which holds a wrong server key, gets a 503 at once that names the
-replica and the refused handshake, not a hang.
+replica authorizes gets a 503 at once that names the replica and the refused key, not a hang,
+and an SDK client holding a wrong server key fails at once naming the failed handshake.
 
 Every server of the module starts at once (the stacks' model loads are most of the time).
 """
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
+import os
 import re
 import shutil
 import signal
@@ -26,7 +28,9 @@ from pathlib import Path
 
 import pytest
 
+from actorserve.gateway.client import AsyncClient
 from actorserve.gateway.curve_keys import client_options, write_keys
+from actorserve.gateway.errors import EngineUnavailable
 from support import EngineServer, prompts_of_lengths
 
 pytestmark = pytest.mark.slow
@@ -98,8 +102,8 @@ class GatewayOnly:
 @pytest.fixture(scope="module")
 def cluster(llama_dir, tmp_path_factory):
     """Keys: the gateway's (a), each engine's own server pair (b, c) whose authorized clients
-    hold a's client.key, and a stranger's (d). Then the two engines and three gateways: the
-    right keys, a client key no replica knows, and the replicas' server keys swapped."""
+    hold a's client.key, and a stranger's (d). Then the two engines and two gateways: one with
+    the right keys, one with a client key no replica knows."""
     root = tmp_path_factory.mktemp("two-hosts")
     keys = {name: write_keys(root / name) for name in "abcd"}
     for name in "bc":
@@ -131,15 +135,15 @@ def cluster(llama_dir, tmp_path_factory):
     gateways = {
         "right": gateway([public["b"], public["c"]], str(keys["a"]["client_secret"])),
         "stranger": gateway([public["b"], public["c"]], str(keys["d"]["client_secret"])),
-        "wrong server key": gateway([public["c"], public["b"]], str(keys["a"]["client_secret"])),
     }
     with ThreadPoolExecutor(2) as pool:
         engines = list(pool.map(engine, "bc", addresses))
     for server in gateways.values():
         server.wait_serving()
-    yield addresses, engines, gateways
-    for server in (*gateways.values(), *engines):
-        server.stop()
+    yield addresses, engines, gateways, keys
+    with ThreadPoolExecutor(4) as pool:
+        codes = list(pool.map(lambda server: server.stop(), (*gateways.values(), *engines)))
+    assert codes == [0] * 4  # SIGTERM drains and stops a gateway-only server as any other
 
 
 def routed(gateway: GatewayOnly) -> dict[str, float]:
@@ -148,7 +152,7 @@ def routed(gateway: GatewayOnly) -> dict[str, float]:
 
 
 def test_completions_through_the_gateway_land_on_both_remote_replicas(cluster, llama_dir):
-    addresses, engines, gateways = cluster
+    addresses, engines, gateways, _ = cluster
     gateway = gateways["right"]
     prompts = prompts_of_lengths(llama_dir, [20 + i for i in range(12)])  # 12 distinct prefixes
     body = {"max_tokens": 3, "temperature": 0}
@@ -162,17 +166,59 @@ def test_completions_through_the_gateway_land_on_both_remote_replicas(cluster, l
     assert all(engine.client.health().stats.prompt_tokens > 0 for engine in engines)
 
 
-@pytest.mark.parametrize("who", ["stranger", "wrong server key"])
-def test_a_gateway_without_the_right_keys_gets_a_503_naming_the_replica_at_once(
-    cluster, who, llama_dir
+def test_a_gateway_whose_key_no_replica_authorizes_gets_a_503_naming_the_replica_at_once(
+    cluster,
 ):
-    addresses, _, gateways = cluster
+    addresses, _, gateways, _ = cluster
     started = time.monotonic()
-    status, reply = gateways[who].post({"prompt": "Hello there", "max_tokens": 2})
-    elapsed = time.monotonic() - started
+    status, reply = gateways["stranger"].post({"prompt": "Hello there", "max_tokens": 2})
+    assert time.monotonic() - started < 10  # under --engine-liveness-timeout-s 20: no wait
     assert status == 503, reply
     message = reply["error"]["message"]
-    assert "CurveZMQ" in message and any(address in message for address in addresses), message
-    expected = "refused this client's CurveZMQ key" if who == "stranger" else "handshake"
-    assert expected in message
-    assert elapsed < 10  # well under --engine-liveness-timeout-s 20: refused, not timed out
+    assert "refused this client's CurveZMQ key" in message, message
+    assert any(f"the engine at {address}" in message for address in addresses), message
+
+
+def test_a_client_holding_another_servers_key_fails_at_once_naming_the_handshake(cluster):
+    """What the gateway's SDK client to a replica does with the replica's server keys swapped
+    (the failed handshake, not a refusal of the client's key)."""
+    addresses, _, _, keys = cluster
+    options = client_options(keys["c"]["server_public"], keys["a"]["client_secret"])
+
+    async def ask() -> str:
+        async with AsyncClient(addresses[0], liveness_timeout_s=20, **options) as client:
+            with pytest.raises(EngineUnavailable) as failure:
+                await client.health(timeout_s=20)
+            return str(failure.value)
+
+    started = time.monotonic()
+    message = asyncio.run(ask())
+    assert time.monotonic() - started < 10
+    assert message.startswith(f"the engine at {addresses[0]} failed the CurveZMQ handshake")
+
+
+def children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(child) for child in path.read_text().split()]
+
+
+def test_a_gateway_only_server_restarts_its_gateway_on_the_same_port(cluster, llama_dir):
+    _, _, gateways, _ = cluster
+    gateway = gateways["right"]
+    (child,) = children(gateway.proc.pid)  # the gateway: no actor runs beside it
+    os.kill(child, signal.SIGKILL)
+    prompt = prompts_of_lengths(llama_dir, [24])[0]
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    def served() -> bool:
+        try:
+            return gateway.post(body, timeout_s=10)[0] == 200
+        except OSError:  # refused or reset while the gateway is away
+            return False
+
+    deadline = time.monotonic() + 60
+    while not served():
+        assert time.monotonic() < deadline, gateway.log_path.read_text()
+        time.sleep(0.2)
+    assert children(gateway.proc.pid) not in ([], [child])
+    assert gateway.proc.poll() is None
