@@ -175,6 +175,7 @@ BENCHMARKS = (
     "preemption",
     "kernels",
     "chaos",
+    "dp_routing",
 )
 
 
