@@ -61,7 +61,7 @@ class Plan(msgspec.Struct, kw_only=True):
     """What one `actorserve serve` runs: its supervisor trees (the first holds the gateway),
     and the gateway's settings and keys when it serves HTTP."""
 
-    trees: list  # of Supervisor
+    trees: list[Supervisor]
     settings: GatewaySettings | None = None
     engine_keys: list[ClientKeys | None] = []  # by position in settings.replicas
 

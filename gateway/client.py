@@ -317,8 +317,8 @@ class AsyncClient:
                     await task
                 except (asyncio.CancelledError, Exception):
                     pass
+        self._socket.disable_monitor()  # before its socket closes, as libzmq asks
         await self._handshake.close()
-        self._socket.disable_monitor()
         self._socket.close(linger=0)
         self._ctx.term()
 
