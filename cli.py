@@ -1,6 +1,7 @@
 """`actorserve` command line: serve, generate. The one module that wires supervisor and SDK.
 
 actorserve serve --model DIR [--address tcp://127.0.0.1:PORT | ipc://PATH]
+                 [--role all | engine | gateway --replicas ADDR,...]
 actorserve generate --model DIR --prompt "..." [--max-tokens N --temperature T --top-p P
                     --seed S] [--address ADDR to use a running engine]
 actorserve keys DIR   CurveZMQ key pairs for serving on tcp:// (--curve-server-key ...)
@@ -24,6 +25,7 @@ from .gateway.errors import EngineError
 from .gateway.service import GatewaySettings
 from .messages.common import SamplingParams
 
+ROLES = ("all", "engine", "gateway")  # what `serve` runs (serve.plan decides what each starts)
 # `generate`'s --seed is its request's sampling seed, not the engine's
 GENERATE_OWN = frozenset({"seed"})
 
@@ -61,9 +63,9 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvloop
 
-        return uvloop.run(serve(config, args.address, args))
+        return uvloop.run(serve(config, args.address, args, args.role))
     except ImportError:
-        return asyncio.run(serve(config, args.address, args))
+        return asyncio.run(serve(config, args.address, args, args.role))
 
 
 # -- generate ---------------------------------------------------------------------------------
@@ -173,6 +175,7 @@ BENCHMARKS = (
     "preemption",
     "kernels",
     "chaos",
+    "dp_routing",
 )
 
 
@@ -200,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("serve", help="run the engine in the foreground for SDK clients")
+    p.add_argument(
+        "--role",
+        choices=ROLES,
+        default="all",
+        help="all: the engine and the HTTP gateway; engine: the engine only (a replica for "
+        "gateways elsewhere); gateway: HTTP only, routing across --replicas (default: all)",
+    )
     add_engine_flags(p)
     p.add_argument(
         "--address",

@@ -26,6 +26,7 @@ import msgspec
 
 from .actors.config import EngineConfig
 from .actors.runtime import Actor, run_actor
+from .gateway.curve_keys import ClientKeys
 from .gateway.server import HTTPGateway
 from .gateway.service import GatewaySettings
 from .messages.codec import GatewayInbox
@@ -42,7 +43,8 @@ class GatewaySpec(msgspec.Struct, frozen=True):
     listen_fd: int  # the listening socket, inherited
     host: str
     port: int
-    client_options: dict[str, str | list[str]] = {}  # the SDK's CurveZMQ keys, if any
+    # the CurveZMQ keys of each engine it talks to (settings.replicas, else config's), by position
+    engine_keys: list[ClientKeys | None] = []
     grace_s: float = 5.0
 
 
@@ -56,10 +58,9 @@ class Gateway(Actor):
 
     async def setup(self) -> None:
         spec = self.spec
-        options = {
-            k: tuple(v) if isinstance(v, list) else v for k, v in spec.client_options.items()
-        }
-        self.http = HTTPGateway(self.addresses.client, spec.settings, spec.host, spec.port, options)
+        self.http = HTTPGateway(
+            self.addresses.client, spec.settings, spec.host, spec.port, spec.engine_keys
+        )
         self.http.prepare(socket.socket(fileno=spec.listen_fd))
         await self.http.start()
 

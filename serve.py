@@ -1,7 +1,21 @@
 """`actorserve serve`: the engine, and the HTTP gateway on it, until SIGTERM/SIGINT.
 
+`--role` picks the part of the stack this process runs (`plan` decides what each role starts):
+
+    all      the engine stacks (`--data-parallel-size` of them) and the HTTP gateway on them
+    engine   one engine stack, no HTTP: a replica that gateways on other hosts route to, at its
+             client `--address` (tcp:// with CurveZMQ keys)
+    gateway  the HTTP gateway alone, routing across `--replicas` (no actors; `--model` still
+             gives the tokenizer, the chat template and the model's facts)
+
+The cut is engine | gateway because data parallelism places whole stacks: each replica is an
+independent engine, and the gateway's only traffic to it is requests and their tokens. A Worker
+on another host than its Scheduler would put every step's round trip (the StepPlan out, the
+sampled tokens back) on the network, on the critical path of every token: no role splits a stack.
+
 The gateway is a supervised process of its own (gateway_process.py), serving on a socket bound
-here, so a restarted gateway serves on the same port.
+here, so a restarted gateway serves on the same port. Its supervisor is replica 0's; a
+gateway-only server has a supervisor tree of the gateway alone (`GatewayOnlySupervisor`).
 """
 
 from __future__ import annotations
@@ -10,6 +24,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 
 import msgspec
@@ -19,20 +34,101 @@ from .actors.config import EngineConfig
 from .actors.curve import with_own_client
 from .actors.supervisor import Supervisor, SupervisorError
 from .config_flags import given_values
+from .gateway.curve_keys import ClientKeys
 from .gateway.server import bind
 from .gateway.service import GatewaySettings
 from .gateway_process import NAME, GatewaySpec
+from .replica_keys import replica_keys
+
+
+class GatewayOnlySupervisor(Supervisor):
+    """The supervisor tree of `--role gateway`: no actors, the gateway its only child, watched
+    and restarted as replica 0's supervisor does it. No Engine to send a roster to (a PUSH
+    to a mailbox no one reads would fill and then block), and a drain is the gateway's."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config, None, actors=())
+
+    def _send_roster(self) -> None:
+        pass
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        await self._drain_children()
+        return True
+
+
+class Plan(msgspec.Struct, kw_only=True):
+    """What one `actorserve serve` runs: its supervisor trees (the first holds the gateway),
+    and the gateway's settings and keys when it serves HTTP."""
+
+    trees: list[Supervisor]
+    settings: GatewaySettings | None = None
+    engine_keys: list[ClientKeys | None] = []  # by position in settings.replicas
+
+
+def plan(
+    role: str, config: EngineConfig, address: str | None, http: argparse.Namespace | None
+) -> Plan:
+    """The one place that decides what each role starts; ValueError (naming the flag) when the
+    flags do not fit the role, or OSError when a file cannot be read."""
+    check_role(role, config, address, http)
+    if role == "engine":
+        return Plan(trees=[Supervisor(config, address)])
+    own_client: dict = {}
+    if role == "gateway":
+        trees: list[Supervisor] = [GatewayOnlySupervisor(config)]
+    else:
+        config, own_client = with_own_client(config)  # the gateway's key, for a CURVE engine
+        count = config.data_parallel_size
+        trees = [Supervisor(config, address if i == 0 else None) for i in range(count)]
+    if http is None:
+        return Plan(trees=trees)
+    try:  # the settings take the model's facts, which the supervisor has read
+        settings = gateway_settings(http, trees[0].config)
+        keys = replica_keys(settings, config.insecure_loopback)
+    except (ValueError, OSError):
+        for tree in trees:
+            shutil.rmtree(tree.run_dir, ignore_errors=True)
+        raise
+    if settings.replicas:
+        return Plan(trees=trees, settings=settings, engine_keys=keys)
+    own = ClientKeys.of(**own_client) if own_client else None
+    addresses = [tree.client_address for tree in trees] if len(trees) > 1 else []
+    settings = msgspec.structs.replace(settings, replicas=addresses)
+    return Plan(trees=trees, settings=settings, engine_keys=[own] * len(trees))
+
+
+def check_role(
+    role: str, config: EngineConfig, address: str | None, http: argparse.Namespace | None
+) -> None:
+    """ValueError, naming the flag, when the flags ask what `role` does not run."""
+    replicas = http is not None and bool(http.replicas)
+    if role == "engine" and config.data_parallel_size > 1:
+        raise ValueError(
+            "--role engine runs one engine stack: start one per replica, each with its own "
+            "--address, instead of --data-parallel-size"
+        )
+    if role == "engine" and replicas:
+        raise ValueError("--replicas is the gateway's: --role engine serves no HTTP")
+    if role == "gateway" and (address is not None or config.data_parallel_size > 1):
+        raise ValueError(
+            "--role gateway starts no engine (no --address, no --data-parallel-size): it "
+            "routes across --replicas"
+        )
+    if role == "gateway" and not replicas:
+        raise ValueError("--role gateway needs --replicas: the engines it routes across")
 
 
 async def serve(
-    config: EngineConfig, address: str | None, http: argparse.Namespace | None = None
+    config: EngineConfig,
+    address: str | None,
+    http: argparse.Namespace | None = None,
+    role: str = "all",
 ) -> int:
-    """Run the engine (and, with `http`, the gateway on it) until SIGTERM/SIGINT; the exit code.
+    """Run what `role` runs (`plan`) until SIGTERM/SIGINT; the exit code.
 
-    The gateway is a supervised process of its own (gateway_process.py), serving on a socket
-    bound here, so a restarted gateway serves on the same port. SIGTERM: the gateway answers
-    503 to new requests, the engine drains those in flight (up to drain_timeout_s), the
-    gateway closes its connections, the actors stop; exit 0.
+    SIGTERM: the gateway answers 503 to new requests, the engines drain those in flight (up to
+    drain_timeout_s), the gateway closes its connections, the actors stop; exit 0.
 
     `data_parallel_size` N: N engine stacks, each its own supervisor tree, run directory and
     client address (replica 0 at `address`, the others in their run directories), and one
@@ -42,23 +138,20 @@ async def serve(
     """
     log = logging.getLogger("actorserve")
     try:
-        config, own_client = with_own_client(config)  # the gateway's key, for a CURVE engine
-        replicas = [
-            Supervisor(config, address if i == 0 else None)
-            for i in range(config.data_parallel_size)
-        ]
+        served = plan(role, config, address, http)
     except (ValueError, OSError) as exc:
         log.error("cannot serve: %s", exc)
         return 1
+    replicas = served.trees
     supervisor = replicas[0]
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     url = listening = None
-    if http is not None:
+    if served.settings is not None:
         try:
-            url, listening = supervise_gateway(replicas, http, own_client)
+            url, listening = supervise_gateway(supervisor, http, served)
         except OSError as exc:
             log.error("cannot serve HTTP on %s port %s: %s", http.host, http.port, exc)
             for replica in replicas:
@@ -74,7 +167,11 @@ async def serve(
         for replica in started:
             await replica.stop("another replica could not start")
         return 1
-    print(f"actorserve: serving {config.model} at {supervisor.client_address}", flush=True)
+    if role == "gateway":
+        count = len(served.settings.replicas)
+        print(f"actorserve: gateway for {config.model} across {count} replicas", flush=True)
+    else:
+        print(f"actorserve: serving {config.model} at {supervisor.client_address}", flush=True)
     if url is not None:
         print(f"actorserve: {url}", flush=True)
     for i, replica in enumerate(replicas[1:], 1):
@@ -113,25 +210,20 @@ async def _serve_until_stopped(waiters, stopper, log) -> int | None:
             return 1 if waiters[0].exception() is not None else 0
 
 
-def supervise_gateway(replicas: list[Supervisor], http: argparse.Namespace, client: dict):
-    """Bind the HTTP port (OSError if taken) and have replica 0's supervisor run the gateway on
-    it, routing across every replica; (its URL, the listening socket: keep it open while
-    serving). The spec, with the SDK's keys, goes in a 0600 file in the private run directory,
-    not on a command line anyone may read."""
-    supervisor = replicas[0]
+def supervise_gateway(supervisor: Supervisor, http: argparse.Namespace, served: Plan):
+    """Bind the HTTP port (OSError if taken) and have `supervisor` run the gateway on it, with
+    the plan's settings and keys; (its URL, the listening socket: keep it open while serving).
+    The spec, with the SDK's keys, goes in a 0600 file in the private run directory, not on a
+    command line anyone may read."""
     sock = bind(http.host, http.port)
     port = sock.getsockname()[1]
-    settings = gateway_settings(http, supervisor.config)
-    if len(replicas) > 1 and not settings.replicas:
-        addresses = [replica.client_address for replica in replicas]
-        settings = msgspec.structs.replace(settings, replicas=addresses)
     spec = GatewaySpec(
         config=supervisor.config,
-        settings=settings,
+        settings=served.settings,
         listen_fd=sock.fileno(),
         host=http.host,
         port=port,
-        client_options={k: _z85_text(v) for k, v in client.items()},
+        engine_keys=served.engine_keys,
     )
     path = os.path.join(supervisor.config.addresses.run_dir, "gateway.json")
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
@@ -141,20 +233,12 @@ def supervise_gateway(replicas: list[Supervisor], http: argparse.Namespace, clie
     return f"http://{host}:{port}", sock
 
 
-def _z85_text(value):
-    """A key (or key pair) as JSON text."""
-    if isinstance(value, tuple | list):
-        return [_z85_text(v) for v in value]
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def gateway_settings(args: argparse.Namespace, config: EngineConfig) -> GatewaySettings:
     """The gateway's settings: its flags, and what it takes from the resolved engine config."""
     given = given_values(args, GatewaySettings)
     given.setdefault("api_key", os.environ.get("ACTORSERVE_API_KEY") or None)
-    given.setdefault(
-        "max_concurrent_requests", config.max_live_requests * config.data_parallel_size
-    )
+    engines = len(given.get("replicas", [])) or config.data_parallel_size
+    given.setdefault("max_concurrent_requests", config.max_live_requests * engines)
     return GatewaySettings(
         model_id=config.model,
         model_dir=config.model,

@@ -64,7 +64,8 @@ class SupervisorError(RuntimeError):
 
 
 class Supervisor:
-    def __init__(self, config: EngineConfig, client_address: str | None = None):
+    def __init__(self, config: EngineConfig, client_address: str | None = None, actors=ACTORS):
+        self.actor_names: tuple[str, ...] = actors  # none in a gateway-only tree (serve.py)
         config.validate()
         check_curve(config, client_address)  # tcp:// only with CURVE keys (or loopback, if asked)
         self.config = config.resolve_model()
@@ -102,13 +103,13 @@ class Supervisor:
         self.mailbox = LoopSocket(socket)
         self._tasks.append(asyncio.create_task(self._receive()))
         try:
-            # What reads nothing the Worker measures (the Engine, the children) loads its
-            # tokenizer while the Worker loads the model; the BlockManager and the Scheduler
-            # wait for the Worker's numbers. Ready is awaited in the start order all the same.
-            early = ("worker", *INDEPENDENT_OF_WORKER, *self.children)
+            # The Engine and the children load their tokenizers while the Worker loads the model
+            # (they read nothing it measures); Ready is awaited in the start order all the same.
+            first = [a for a in ("worker", *INDEPENDENT_OF_WORKER) if a in self.actor_names]
+            early = (*first, *self.children)
             for name in early:
                 self._spawn(name)
-            for name in (*ACTORS, *self.children):
+            for name in (*self.actor_names, *self.children):
                 if name not in early:
                     self._spawn(name)
                 ready = await self._wait_ready(name)
@@ -343,7 +344,7 @@ class Supervisor:
         for task in self._tasks:
             if task is not current:
                 task.cancel()
-        for name in (*self.children, *reversed(ACTORS)):
+        for name in (*self.children, *reversed(self.actor_names)):
             actor = self.actors.get(name)
             if actor is None or actor.process.poll() is not None:
                 continue

@@ -9,7 +9,8 @@ Streams the Engine no longer knows (it died and was restarted) are resumed: the 
 again with the tokens each sample has received (GenerateRequest.resume), and the Engine goes on
 from there, so the stream's output is the one a fault-free run gives; after `max_resumes` of one
 stream it fails with EngineError(code="unavailable"). When nothing at all comes back for
-`liveness_timeout_s` every stream fails with EngineUnavailable. No hang.
+`liveness_timeout_s` every stream fails with EngineUnavailable, and at once when the engine
+refuses the socket's CurveZMQ handshake (handshake.py). No hang.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from ..messages.codec import Decoder, encode
 from ..messages.common import OutputKind, SamplingParams
 from .curve_keys import secure_dealer
 from .errors import EngineError, EngineUnavailable
+from .handshake import HandshakeWatch
 from .request_stream import RequestStream, join_samples
 
 
@@ -79,6 +81,7 @@ class AsyncClient:
         self._socket = self._ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         secure_dealer(self._socket, server_public_key, client_keys)
+        self._handshake = HandshakeWatch(self._socket, self._refused)
         self._socket.connect(address)
         self._decoder = Decoder(EngineToClient)
         self._streams: dict[str, RequestStream] = {}
@@ -93,6 +96,17 @@ class AsyncClient:
         if self._watchdog is None or self._watchdog.done():
             self._last_heard = time.monotonic()
             self._watchdog = loop.create_task(self._watch())
+        self._handshake.start()
+
+    def _refused(self, reason: str) -> None:
+        """The engine refused (or could not complete) a handshake: every stream and health
+        query fails now, naming the address and why, instead of waiting for a timeout."""
+        error = EngineUnavailable(f"the engine at {self.address} {reason}")
+        for stream in self._streams.values():
+            stream.fail(error)
+        for future in self._health.values():
+            if not future.done():
+                future.set_exception(error)
 
     async def _watch(self) -> None:
         while True:
@@ -168,14 +182,29 @@ class AsyncClient:
 
     async def _send(self, data: bytes) -> None:
         """Send, or raise EngineUnavailable: a DEALER with no connection to queue on (a CURVE
-        handshake the Engine refused) would wait for one for ever."""
-        try:
-            await asyncio.wait_for(self._socket.send(data), self.liveness_timeout_s)
-        except asyncio.TimeoutError:
-            raise EngineUnavailable(
-                f"could not send to the engine at {self.address} in {self.liveness_timeout_s} s "
-                "(no connection: is the address right, and are the CurveZMQ keys accepted?)"
-            ) from None
+        handshake the Engine refused) would wait for one for ever, so it waits at most
+        `liveness_timeout_s`, and no longer than until a handshake fails. After a refused
+        handshake it connects again first: the engine may take the keys now, and if not, the
+        refusal comes back at once."""
+        if self._handshake.refused is not None:
+            self._handshake.retry()
+            self._socket.disconnect(self.address)
+            self._socket.connect(self.address)
+        sending = asyncio.ensure_future(self._socket.send(data))
+        if not sending.done():  # no connection to queue on: wait for one, or for a refusal
+            refused = asyncio.ensure_future(self._handshake.failed.wait())
+            await asyncio.wait(
+                {sending, refused}, timeout=self.liveness_timeout_s, return_when="FIRST_COMPLETED"
+            )
+            refused.cancel()
+            if not sending.done():
+                sending.cancel()
+                reason = self._handshake.refused or (
+                    f"could not be sent to in {self.liveness_timeout_s} s (no connection: is the "
+                    "address right, and are the CurveZMQ keys accepted?)"
+                )
+                raise EngineUnavailable(f"the engine at {self.address} {reason}")
+        sending.result()
 
     async def send_raw(self, data: bytes) -> None:
         """Send bytes as they are (for tests of the engine's input checks)."""
@@ -288,6 +317,8 @@ class AsyncClient:
                     await task
                 except (asyncio.CancelledError, Exception):
                     pass
+        self._socket.disable_monitor()  # before its socket closes, as libzmq asks
+        await self._handshake.close()
         self._socket.close(linger=0)
         self._ctx.term()
 

@@ -21,6 +21,7 @@ import datetime
 import os
 from pathlib import Path
 
+import msgspec
 import zmq
 
 SERVER = "server"
@@ -105,6 +106,31 @@ def client_options(
     if client_key_path is not None:
         options["client_keys"] = load_client_keys(client_key_path)
     return options
+
+
+class ClientKeys(msgspec.Struct, frozen=True):
+    """One SDK connection's CurveZMQ keys, z85 text (what a spec file can carry): the engine's
+    public key, and this client's key pair (None: a fresh pair, for an engine that admits any
+    client who knows its key)."""
+
+    server_public_key: str
+    client_public_key: str | None = None
+    client_secret_key: str | None = None
+
+    @classmethod
+    def of(
+        cls, server_public_key: bytes, client_keys: tuple[bytes, bytes] | None = None
+    ) -> ClientKeys:
+        public, secret = client_keys or (None, None)
+        text = [k.decode() if k is not None else None for k in (server_public_key, public, secret)]
+        return cls(*text)
+
+    def options(self) -> dict:
+        """AsyncClient / Client keyword arguments."""
+        pair = None
+        if self.client_public_key is not None and self.client_secret_key is not None:
+            pair = (self.client_public_key, self.client_secret_key)
+        return {"server_public_key": self.server_public_key, "client_keys": pair}
 
 
 def secure_dealer(

@@ -1,16 +1,28 @@
 """Data-parallel replicas behind one gateway: which engine stack each request goes to, and where
 a stream goes on when its replica dies.
 
-Routing (`choose_replica`, pure): a prompt of at least one full block of `block_size` tokens has a
-prefix key, a hash of its first full blocks, at most `route_prefix_blocks` of them. Rendezvous
-hashing maps the key to the replica with the highest blake2b(key || replica index): requests
-sharing those blocks (a system prompt) land on one replica, whose prefix cache then holds them,
-and a replica leaving moves only its own keys. That replica is taken unless its load (this
-gateway's requests in flight there: running + waiting) exceeds the least-loaded usable replica's
-by more than `route_load_margin`; then the least loaded takes it, as does every prompt shorter
-than one block. A replica that is down (its stream failed with EngineUnavailable, its health
-check failed, it refused a request as unavailable: draining) gets no new requests until a health
-check answers again.
+Routing (`route_policy` "prefix", `choose_replica`, pure): a prompt of at least one full block of
+`block_size` tokens has a prefix key, a hash of its first full blocks, at most
+`route_prefix_blocks` of them. Rendezvous hashing maps the key to the candidate with the highest
+blake2b(key || replica index): requests sharing those blocks (a system prompt) land on one
+replica, whose prefix cache then holds them, and a replica leaving moves only its own keys.
+
+What a replica is judged by (`replica_load`, `Replica.kv_use`): its load is
+max(this gateway's requests in flight there, its own running + waiting), the second from its
+EngineStats, polled at most every `route_stats_interval_s` (and from every health check). The
+replica's own numbers count other gateways' requests too; this gateway's count covers the
+requests it sent since the last poll. Its KV use is blocks used / blocks total from the same
+stats. Stats older than `STALE_INTERVALS` intervals are not used (load: in flight here only;
+KV use: 0).
+
+The candidates are the usable replicas whose KV use is at most `route_kv_high`, or every usable
+replica when none is under it (a full cache preempts; a replica under it can still take work).
+The affine candidate takes the request unless its load exceeds the least-loaded candidate's by
+more than `route_load_margin`; then the least loaded takes it, as does every prompt shorter than
+one block. A replica that is down (its stream failed with EngineUnavailable, its health check
+failed, it refused a request as unavailable: draining) gets no new requests until a health
+check answers again. `route_policy` "round_robin" ignores keys, load and KV use: each request
+goes to the next usable replica in turn (a baseline for scripts/bench_dp_routing.py).
 
 Failover (`ReplicaSet.generate`): a stream whose replica fails it as unavailable goes on on
 another usable replica as a resumption (GenerateRequest.resume with the tokens each sample has
@@ -22,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -29,6 +42,8 @@ from ..messages.client import Delta, EngineStats, HealthReply, ResumedSample
 from ..messages.common import SamplingParams
 from .client import AsyncClient
 from .errors import EngineError, EngineUnavailable
+
+STALE_INTERVALS = 5  # stats older than this many route_stats_interval_s are not used
 
 
 def prefix_key(token_ids: Sequence[int], block_size: int, max_blocks: int) -> bytes | None:
@@ -46,20 +61,46 @@ def _rendezvous_weight(key: bytes, index: int) -> bytes:
 
 
 def choose_replica(
-    key: bytes | None, loads: Sequence[int], usable: Sequence[bool], margin: int
+    key: bytes | None,
+    loads: Sequence[int],
+    usable: Sequence[bool],
+    margin: int,
+    kv_use: Sequence[float] | None = None,
+    kv_high: float = 1.0,
 ) -> int | None:
     """The replica (index) for a request with prefix `key`; None when no replica is usable.
-    `loads[i]`: requests in flight on replica i. The affine replica (rendezvous hashing over the
-    usable ones) unless its load exceeds the least load by more than `margin`; then, and without
-    a key, the least loaded (the lowest index among equals)."""
-    candidates = [i for i, ok in enumerate(usable) if ok]
-    if not candidates:
+    `loads[i]`: replica i's load (`replica_load`); `kv_use[i]`: its KV cache use, 0..1. The
+    candidates: the usable replicas with KV use at most `kv_high`, or all usable ones when none
+    is. The affine candidate (rendezvous hashing) unless its load exceeds the least load by more
+    than `margin`; then, and without a key, the least loaded (the lowest index among equals)."""
+    usable_ones = [i for i, ok in enumerate(usable) if ok]
+    if not usable_ones:
         return None
+    roomy = [i for i in usable_ones if kv_use is None or kv_use[i] <= kv_high]
+    candidates = roomy or usable_ones
     least = min(candidates, key=lambda i: (loads[i], i))
     if key is None:
         return least
     affine = max(candidates, key=lambda i: _rendezvous_weight(key, i))
     return affine if loads[affine] - loads[least] <= margin else least
+
+
+def next_in_turn(last: int, usable: Sequence[bool]) -> int | None:
+    """Round robin: the first usable replica after `last` (wrapping); None when none is."""
+    count = len(usable)
+    for step in range(1, count + 1):
+        i = (last + step) % count
+        if usable[i]:
+            return i
+    return None
+
+
+def replica_load(in_flight_here: int, stats: EngineStats | None) -> int:
+    """A replica's load: this gateway's requests in flight there, or the replica's own running +
+    waiting (every gateway's, as of its last stats) when that is more."""
+    if stats is None:
+        return in_flight_here
+    return max(in_flight_here, stats.num_running + stats.num_waiting)
 
 
 def _failover_worthy(exc: EngineError) -> bool:
@@ -74,6 +115,19 @@ class Replica:
         self.in_flight = 0  # this gateway's requests there, not ended
         self.routed = 0  # requests (and resumptions) sent there
         self.up = True
+        self.stats: EngineStats | None = None  # its last answer to a stats poll or health check
+        self.stats_at = -float("inf")  # when it came (monotonic)
+
+    def observe(self, stats: EngineStats) -> None:
+        self.stats, self.stats_at = stats, time.monotonic()
+
+    def fresh_stats(self, max_age_s: float) -> EngineStats | None:
+        return self.stats if time.monotonic() - self.stats_at <= max_age_s else None
+
+    def kv_use(self, max_age_s: float) -> float:
+        """Blocks used / blocks total, from stats at most `max_age_s` old (else 0)."""
+        stats = self.fresh_stats(max_age_s)
+        return stats.blocks_used / stats.blocks_total if stats and stats.blocks_total else 0.0
 
 
 class ReplicaSet:
@@ -89,7 +143,13 @@ class ReplicaSet:
         load_margin: int,
         recheck_interval_s: float,
         tokenize: Callable[[str], list[int]] | None = None,
+        *,
+        kv_high: float = 0.9,
+        stats_interval_s: float | None = None,
+        policy: str = "prefix",
     ):
+        """`stats_interval_s`: poll the replicas' stats at most this often (None: never; the
+        load is then this gateway's requests in flight alone)."""
         self.replicas = [Replica(i, c) for i, c in enumerate(clients)]
         self.serving: dict[str, Replica] = {}  # request id -> the replica streaming it now
         self.recheck_interval_s = recheck_interval_s
@@ -98,11 +158,50 @@ class ReplicaSet:
         self.prefix_blocks = prefix_blocks
         self.load_margin = load_margin
         self.tokenize = tokenize
+        self.kv_high = kv_high
+        self.stats_interval_s = stats_interval_s
+        self.policy = policy
+        self._last_turn = -1  # round robin: the replica that took the last request
+        self._stats_poll: asyncio.Task | None = None
+        self._stats_polled = -float("inf")
 
     def choose(self, key: bytes | None) -> Replica | None:
-        loads = [r.in_flight for r in self.replicas]
-        index = choose_replica(key, loads, [r.up for r in self.replicas], self.load_margin)
+        usable = [r.up for r in self.replicas]
+        if self.policy == "round_robin":
+            index = next_in_turn(self._last_turn, usable)
+            self._last_turn = self._last_turn if index is None else index
+        else:
+            self._poll_stats_soon()
+            max_age = (self.stats_interval_s or 0.0) * STALE_INTERVALS
+            loads = [replica_load(r.in_flight, r.fresh_stats(max_age)) for r in self.replicas]
+            kv_use = [r.kv_use(max_age) for r in self.replicas]
+            index = choose_replica(key, loads, usable, self.load_margin, kv_use, self.kv_high)
         return None if index is None else self.replicas[index]
+
+    def _poll_stats_soon(self) -> None:
+        """Ask every usable replica for its stats in the background when the last poll is an
+        interval old: a request is routed on the stats at hand, never waits for new ones."""
+        if self.stats_interval_s is None or len(self.replicas) < 2:
+            return
+        now = time.monotonic()
+        busy = self._stats_poll is not None and not self._stats_poll.done()
+        if busy or now - self._stats_polled < self.stats_interval_s:
+            return
+        self._stats_polled = now
+        self._stats_poll = asyncio.get_running_loop().create_task(self._poll_stats())
+
+    async def _poll_stats(self) -> None:
+        """Record the stats of each replica that answers within an interval or two. A replica
+        that does not is not marked down here (a busy engine answers late): its streams and
+        health checks decide that, and its old stats age out."""
+        timeout_s = max(1.0, 2 * (self.stats_interval_s or 0.0))
+        up = [r for r in self.replicas if r.up]
+        replies = await asyncio.gather(
+            *(r.client.health(timeout_s) for r in up), return_exceptions=True
+        )
+        for replica, reply in zip(up, replies, strict=True):
+            if isinstance(reply, HealthReply):
+                replica.observe(reply.stats)
 
     async def _key(self, prompt: str | list[int]) -> bytes | None:
         if len(self.replicas) < 2:
@@ -197,6 +296,7 @@ class ReplicaSet:
         for replica, reply in zip(self.replicas, replies, strict=True):
             if isinstance(reply, HealthReply):
                 replica.up = True
+                replica.observe(reply.stats)
                 answered.append(reply)
             elif isinstance(reply, EngineError):
                 self.mark_down(replica)
@@ -214,7 +314,9 @@ class ReplicaSet:
         )
 
     async def close(self) -> None:
-        for task in self._rechecks.values():
+        for task in (*self._rechecks.values(), self._stats_poll):
+            if task is None:
+                continue
             task.cancel()
         for replica in self.replicas:
             await replica.client.close()

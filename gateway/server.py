@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .client import AsyncClient
 from .connections import GatewayConfig
+from .curve_keys import ClientKeys
 from .errors import EngineError
 from .guards import add_guards, has_api_key
 from .health import HealthChecks
@@ -181,11 +182,12 @@ class HTTPGateway:
         settings: GatewaySettings,
         host: str,
         port: int,
-        client_options: dict | None = None,
+        engine_keys: list[ClientKeys | None] | None = None,
     ):
-        """`client_options`: the SDK's keyword arguments (CurveZMQ keys of a secured engine)."""
+        """`engine_keys`: the CurveZMQ keys of each engine it talks to (the replicas, else the
+        one at `engine_address`), by position; None or empty: none has keys."""
         self.engine_address = engine_address
-        self.client_options = client_options or {}
+        self.engine_keys = engine_keys or []
         self.settings = settings
         self.host = host
         self.port = port
@@ -212,13 +214,15 @@ class HTTPGateway:
             sock.close()
             raise
         settings = self.settings
+        addresses = settings.replicas or [self.engine_address]
+        keys = self.engine_keys or [None] * len(addresses)
         clients = [
             AsyncClient(
                 address,
                 liveness_timeout_s=settings.engine_liveness_timeout_s,
-                **self.client_options,
+                **(key.options() if key is not None else {}),
             )
-            for address in settings.replicas or [self.engine_address]
+            for address, key in zip(addresses, keys, strict=True)
         ]
         self.client = ReplicaSet(
             clients,
@@ -227,6 +231,9 @@ class HTTPGateway:
             settings.route_load_margin,
             settings.health_interval_s,
             chat.tokenizer.encode,
+            kv_high=settings.route_kv_high,
+            stats_interval_s=settings.route_stats_interval_s,
+            policy=settings.route_policy,
         )
         self.app = create_app(self.client, self.settings, chat)
         config = GatewayConfig(

@@ -12,7 +12,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -120,6 +120,42 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     route_prefix_blocks: Annotated[
         int, Meta(description="full KV blocks of the prompt that pick its replica (at most)")
     ] = 4
+    route_policy: Annotated[
+        Literal["prefix", "round_robin"],
+        Meta(
+            description="prefix: a prompt's first blocks pick its replica, balanced against load "
+            "and KV use; round_robin: each request to the next replica (a baseline)"
+        ),
+    ] = "prefix"
+    route_stats_interval_s: Annotated[
+        float,
+        Meta(
+            description="ask each replica for its running, waiting and KV use at most this often "
+            "(its load, for routing)"
+        ),
+    ] = 1.0
+    route_kv_high: Annotated[
+        float,
+        Meta(
+            description="a replica whose KV cache use (0..1) is over this gets no requests while "
+            "another is under it"
+        ),
+    ] = 0.9
+    replica_server_keys: Annotated[
+        list[str],
+        Meta(
+            description="comma-separated server.key files (CurveZMQ public keys) of the "
+            "--replicas, by position; one file: every replica's"
+        ),
+    ] = []
+    curve_client_key: Annotated[
+        str | None,
+        Meta(
+            description="the gateway's client.key_secret for the --replicas (each replica "
+            "authorizes its client.key); unset: a fresh key pair (for replicas that admit any "
+            "client)"
+        ),
+    ] = None
     engine_liveness_timeout_s: Annotated[
         float,
         Meta(

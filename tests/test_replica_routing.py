@@ -9,9 +9,22 @@ import random
 import pytest
 
 from actorserve.gateway.errors import EngineError, EngineUnavailable
-from actorserve.gateway.replicas import ReplicaSet, choose_replica, prefix_key, sum_stats
+from actorserve.gateway.replicas import (
+    ReplicaSet,
+    choose_replica,
+    next_in_turn,
+    prefix_key,
+    replica_load,
+    sum_stats,
+)
 from actorserve.gateway.request_stream import RequestStream
-from actorserve.messages.client import Delta, EngineStats, GenerateRequest, ResumedSample
+from actorserve.messages.client import (
+    Delta,
+    EngineStats,
+    GenerateRequest,
+    HealthReply,
+    ResumedSample,
+)
 from actorserve.messages.common import FinishReason, SamplingParams
 
 BLOCK = 16
@@ -68,6 +81,34 @@ def test_without_a_key_the_least_loaded_usable_replica_is_chosen():
     assert choose_replica(None, [0, 0], [False, False], 0) is None
 
 
+def test_a_replica_over_kv_high_is_skipped_for_affinity_and_load_unless_all_are():
+    key = keys(1)[0]
+    affine = choose_replica(key, [0, 0], [True, True], 2)
+    other = 1 - affine
+    kv = [0.0, 0.0]
+    kv[affine] = 0.95
+    assert choose_replica(key, [0, 0], [True, True], 2, kv, 0.9) == other
+    assert choose_replica(None, [0, 5], [True, True], 0, [0.95, 0.5], 0.9) == 1  # not the idle one
+    assert choose_replica(key, [0, 0], [True, True], 2, [0.95, 0.97], 0.9) == affine  # all full
+    kv[affine] = 0.9  # at the mark, not over it
+    assert choose_replica(key, [0, 0], [True, True], 2, kv, 0.9) == affine
+
+
+def test_load_is_the_larger_of_requests_in_flight_here_and_the_replicas_own_count():
+    assert replica_load(3, None) == 3
+    assert replica_load(3, EngineStats(num_running=1, num_waiting=1)) == 3
+    # other gateways' requests count: the replica's own running + waiting
+    assert replica_load(1, EngineStats(num_running=4, num_waiting=6)) == 10
+
+
+def test_round_robin_takes_the_usable_replicas_in_turn():
+    assert next_in_turn(-1, [True, True, True]) == 0
+    assert next_in_turn(0, [True, True, True]) == 1
+    assert next_in_turn(2, [True, True, True]) == 0
+    assert next_in_turn(0, [True, False, True]) == 2
+    assert next_in_turn(1, [False, False]) is None
+
+
 def test_a_resumed_request_stream_starts_with_its_tokens_and_finished_samples():
     request = GenerateRequest(
         "r", prompt_token_ids=[1, 2], params=SamplingParams(n=3), resume=[ResumedSample(1, [5])]
@@ -81,9 +122,12 @@ def test_a_resumed_request_stream_starts_with_its_tokens_and_finished_samples():
 class FakeClient:
     """Streams `tokens` one per delta; with `die_after`, fails as unavailable after that many."""
 
-    def __init__(self, tokens: list[int], die_after: int | None = None):
+    def __init__(
+        self, tokens: list[int], die_after: int | None = None, stats: EngineStats | None = None
+    ):
         self.tokens = tokens
         self.die_after = die_after
+        self.stats = stats  # what health answers (None: it fails)
         self.requests: list[tuple[list[int], list[ResumedSample] | None]] = []
         self.aborted: list[str] = []
 
@@ -97,7 +141,9 @@ class FakeClient:
             yield Delta(request_id, token_ids=[token], finish_reason=LENGTH if last else None)
 
     async def health(self, timeout_s):
-        raise EngineUnavailable("gone")
+        if self.stats is None:
+            raise EngineUnavailable("gone")
+        return HealthReply("h", ok=True, stats=self.stats)
 
     async def abort(self, request_id):
         self.aborted.append(request_id)
@@ -151,3 +197,36 @@ def test_with_no_replica_left_the_failure_is_raised():
 def test_replica_stats_add_up():
     total = sum_stats([EngineStats(num_running=2, blocks_total=10), EngineStats(num_running=1)])
     assert (total.num_running, total.blocks_total) == (3, 10)
+
+
+def test_requests_are_routed_on_the_replicas_polled_load_and_kv_use():
+    """The affine replica is busy with another gateway's requests (its own running + waiting),
+    then its KV cache is full: once a stats poll has seen it, requests go to the other."""
+    key = keys(1)[0]
+    affine = choose_replica(key, [0, 0], [True, True], 2)
+    idle = EngineStats(blocks_total=100, blocks_free=100)
+    clients = [FakeClient([1], stats=idle), FakeClient([1], stats=idle)]
+
+    async def route(stats: EngineStats) -> tuple[int, int]:
+        clients[affine].stats = stats
+        replicas = ReplicaSet(clients, BLOCK, 4, 2, 60.0, stats_interval_s=0.05)
+        before = replicas.choose(key).index  # no stats yet: in flight here only
+        await asyncio.sleep(0.1)  # the poll this choice started has answered
+        return before, replicas.choose(key).index
+
+    busy = EngineStats(num_running=2, num_waiting=6, blocks_total=100, blocks_free=90)
+    assert asyncio.run(route(busy)) == (affine, 1 - affine)
+    full = EngineStats(blocks_total=100, blocks_free=4)
+    assert asyncio.run(route(full)) == (affine, 1 - affine)
+    assert asyncio.run(route(idle)) == (affine, affine)
+
+
+def test_round_robin_policy_alternates_whatever_the_prefix():
+    key = keys(1)[0]
+
+    async def route() -> list[int]:
+        clients = [FakeClient([1]), FakeClient([1])]
+        replicas = ReplicaSet(clients, BLOCK, 4, 2, 60.0, policy="round_robin")
+        return [replicas.choose(key).index for _ in range(4)]
+
+    assert asyncio.run(route()) == [0, 1, 0, 1]

@@ -1,0 +1,183 @@
+"""Data-parallel routing: prefix affinity against round robin on a shared-prefix workload.
+
+Two replicas (`actorserve serve --data-parallel-size 2`, one torch thread each) behind one
+gateway, started once per policy (`--route-policy prefix`, then `round_robin`). The workload:
+`--system-prompts` system prompts of 4-8 KV blocks each, every request one of them plus its own
+user suffix, in a shuffled order, sent `--concurrency` at a time through the OpenAI streaming
+endpoint (POST /v1/completions, stream=true; scripts/serving_load.py's GatewayDoor). Per policy:
+TTFT p50/p90, output tokens/s, and the prefix-cache hit rate (the replicas' hit tokens over
+their looked-up tokens, from /health, over the run); then prefix / round robin ratios.
+
+Prefix affinity sends every request of one system prompt to one replica, whose cache holds that
+prompt's blocks after its first request; round robin sends each system prompt to both, so both
+compute it (and each holds every prompt's blocks, half the room for each).
+
+    python scripts/bench_dp_routing.py [--model llama-350m] [--num-requests 96]
+                                       [--concurrency 8] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_common as bc  # noqa: E402
+from serving_load import GatewayDoor, run_point, summarize  # noqa: E402
+
+POLICIES = ("prefix", "round_robin")
+BLOCK_SIZE = 16
+HEALTH_INTERVAL_S = 0.5  # /health repeats its answer this long: the counters wait it out
+
+
+class DataParallelServer:
+    """`actorserve serve --data-parallel-size 2` with one routing policy, on a free port."""
+
+    def __init__(self, model_dir: Path, policy: str, extra: list[str], timeout_s: float = 600.0):
+        self.tmp = tempfile.TemporaryDirectory(prefix="actorserve-dp-routing-")
+        self.log_path = Path(self.tmp.name) / "serve.log"
+        self.log = open(self.log_path, "wb")
+        command = [
+            sys.executable, "-m", "actorserve.cli", "serve", "--model", str(model_dir),
+            "--data-parallel-size", "2", "--torch-threads", "1", "--block-size", str(BLOCK_SIZE),
+            "--route-policy", policy, "--host", "127.0.0.1", "--port", "0",
+            "--health-interval-s", str(HEALTH_INTERVAL_S), *extra,
+        ]  # fmt: skip
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"actorserve serve exited early:\n{self.tail()}")
+            found = re.search(r"actorserve: http://[^\s:]+:(\d+)", self.log_path.read_text())
+            if found:
+                self.port = int(found.group(1))
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"actorserve serve was not ready in {timeout_s:.0f} s")
+
+    def prefix_tokens(self) -> tuple[int, int]:
+        """(hit, looked up) prompt tokens of the prefix caches, summed over the replicas."""
+        time.sleep(HEALTH_INTERVAL_S + 0.1)  # an answer from after the last request
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=30) as reply:
+            engine = json.loads(reply.read()).get("engine", {})
+        return engine.get("prefix_hit_tokens", 0), engine.get("prefix_query_tokens", 0)
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+        self.tmp.cleanup()
+
+
+def shared_prefix_workload(
+    num_requests: int, system_prompts: int, vocab: int, output_len: int, seed: int
+) -> list[bc.Request]:
+    """Each request: one of `system_prompts` prompts of 4-8 full blocks, then 8-40 tokens of its
+    own; the system prompts in turn, the order shuffled (arrivals interleave them)."""
+    rng = random.Random(seed)
+    systems = [
+        [rng.randrange(5, vocab) for _ in range(rng.randint(4, 8) * BLOCK_SIZE)]
+        for _ in range(system_prompts)
+    ]
+    requests = []
+    for i in range(num_requests):
+        suffix = [rng.randrange(5, vocab) for _ in range(rng.randint(8, 40))]
+        requests.append(bc.Request(systems[i % system_prompts] + suffix, output_len))
+    rng.shuffle(requests)
+    return requests
+
+
+async def drive(port: int, workload: list[bc.Request], concurrency: int) -> dict:
+    door = GatewayDoor("127.0.0.1", port)
+    await door.open()
+    try:
+        return summarize(await run_point(door, workload, None, concurrency, seed=0))
+    finally:
+        await door.close()
+
+
+def measure(model_dir: Path, policy: str, args, workload: list[bc.Request]) -> dict:
+    server = DataParallelServer(model_dir, policy, args.serve_flags)
+    try:
+        warm = [bc.Request([7 + i] * 4, 2) for i in range(4)]  # first steps, no shared blocks
+        asyncio.run(drive(server.port, warm, 2))
+        hits_before, queried_before = server.prefix_tokens()
+        row = asyncio.run(drive(server.port, workload, args.concurrency))
+        hits, queried = server.prefix_tokens()
+    finally:
+        server.stop()
+    looked_up = queried - queried_before
+    row["prefix_hit_rate"] = (hits - hits_before) / looked_up if looked_up else float("nan")
+    return {"policy": policy, **row}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-350m", help="a checkpoint kind or directory")
+    parser.add_argument("--num-requests", type=int, default=96)
+    parser.add_argument("--system-prompts", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write the rows here")
+    parser.add_argument(
+        "--serve-flags",
+        type=lambda text: text.split(),
+        default=[],
+        help="more `actorserve serve` flags, space-separated (e.g. '--max-model-len 1024')",
+    )
+    args = parser.parse_args()
+    model_dir = bc.resolve_model(args.model)
+    vocab = bc.ModelShape.read(model_dir).vocab
+    workload = shared_prefix_workload(
+        args.num_requests, args.system_prompts, vocab, args.output_len, args.seed
+    )
+    rows = [measure(model_dir, policy, args, workload) for policy in POLICIES]
+    failed = sum(row["failed"] for row in rows)
+    prefix, round_robin = rows
+    ratios = {
+        "policy": "prefix / round_robin",
+        "ttft_p50_ms": prefix["ttft_p50_ms"] / round_robin["ttft_p50_ms"],
+        "ttft_p90_ms": prefix["ttft_p90_ms"] / round_robin["ttft_p90_ms"],
+        "output_throughput": prefix["output_throughput"] / round_robin["output_throughput"],
+    }
+    columns = [
+        bc.Column("policy", "policy"),
+        bc.Column("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"),
+        bc.Column("ttft_p90_ms", "TTFT p90 ms", "{:.1f}"),
+        bc.Column("output_throughput", "output tok/s", "{:.1f}"),
+        bc.Column("prefix_hit_rate", "prefix hit rate", "{:.1%}"),
+        bc.Column("failed", "failed"),
+    ]
+    title = (
+        f"DP routing, 2 replicas x 1 thread, {bc.model_label(args.model)}: {args.num_requests} "
+        f"requests over {args.system_prompts} system prompts, concurrency {args.concurrency}, "
+        f"{args.output_len} output tokens\n{bc.machine_line(1)}\n"
+    )
+    notes = ["(ratio row: prefix over round robin; TTFT under 1 is prefix affinity's gain)"]
+    print(bc.format_table([*rows, ratios], columns, title, notes))
+    bc.write_json(args.json, [*rows, ratios])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
