@@ -14,8 +14,9 @@ on another host than its Scheduler would put every step's round trip (the StepPl
 sampled tokens back) on the network, on the critical path of every token: no role splits a stack.
 
 The gateway is a supervised process of its own (gateway_process.py), serving on a socket bound
-here, so a restarted gateway serves on the same port. Its supervisor is replica 0's; a
-gateway-only server has a supervisor tree of the gateway alone (`GatewayOnlySupervisor`).
+here, so a restarted gateway serves on the same port. With one engine stack its supervisor is
+that stack's; with `--data-parallel-size` N > 1, and under `--role gateway`, it has a supervisor
+tree of its own (`GatewayOnlySupervisor`), so any replica may end and the server goes on.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .replica_keys import replica_keys
 
 class GatewayOnlySupervisor(Supervisor):
     """The supervisor tree of `--role gateway`: no actors, the gateway its only child, watched
-    and restarted as replica 0's supervisor does it. No Engine to send a roster to (a PUSH
+    and restarted as an engine stack's supervisor does it. No Engine to send a roster to (a PUSH
     to a mailbox no one reads would fill and then block), and a drain is the gateway's."""
 
     def __init__(self, config: EngineConfig):
@@ -81,6 +82,8 @@ def plan(
         config, own_client = with_own_client(config)  # the gateway's key, for a CURVE engine
         count = config.data_parallel_size
         trees = [Supervisor(config, address if i == 0 else None) for i in range(count)]
+        if count > 1 and http is not None:  # the gateway outlives any one replica
+            trees.insert(0, GatewayOnlySupervisor(config))
     if http is None:
         return Plan(trees=trees)
     try:  # the settings take the model's facts, which the supervisor has read
@@ -93,9 +96,15 @@ def plan(
     if settings.replicas:
         return Plan(trees=trees, settings=settings, engine_keys=keys)
     own = ClientKeys.of(**own_client) if own_client else None
-    addresses = [tree.client_address for tree in trees] if len(trees) > 1 else []
+    engines = engine_trees(trees)
+    addresses = [tree.client_address for tree in engines] if len(engines) > 1 else []
     settings = msgspec.structs.replace(settings, replicas=addresses)
-    return Plan(trees=trees, settings=settings, engine_keys=[own] * len(trees))
+    return Plan(trees=trees, settings=settings, engine_keys=[own] * len(engines))
+
+
+def engine_trees(trees: list[Supervisor]) -> list[Supervisor]:
+    """The trees that run an engine stack (replica 0 first), the gateway's own left out."""
+    return [tree for tree in trees if not isinstance(tree, GatewayOnlySupervisor)]
 
 
 def check_role(
@@ -132,9 +141,9 @@ async def serve(
 
     `data_parallel_size` N: N engine stacks, each its own supervisor tree, run directory and
     client address (replica 0 at `address`, the others in their run directories), and one
-    gateway, supervised by replica 0's supervisor, routing across them (gateway/replicas.py).
-    A replica whose supervisor gives up is left down (the gateway routes around it); the
-    server ends when replica 0, which holds the gateway, ends.
+    gateway in a tree of its own, routing across them (gateway/replicas.py). A replica whose
+    supervisor gives up is left down (the gateway routes around it); the server ends when the
+    gateway's tree ends, or when every replica has.
     """
     log = logging.getLogger("actorserve")
     try:
@@ -167,21 +176,22 @@ async def serve(
         for replica in started:
             await replica.stop("another replica could not start")
         return 1
+    engines = engine_trees(replicas)
     if role == "gateway":
         count = len(served.settings.replicas)
         print(f"actorserve: gateway for {config.model} across {count} replicas", flush=True)
     else:
-        print(f"actorserve: serving {config.model} at {supervisor.client_address}", flush=True)
+        print(f"actorserve: serving {config.model} at {engines[0].client_address}", flush=True)
     if url is not None:
         print(f"actorserve: {url}", flush=True)
-    for i, replica in enumerate(replicas[1:], 1):
+    for i, replica in enumerate(engines[1:], 1):
         print(f"actorserve: replica {i} at {replica.client_address}", flush=True)
     waiters = [asyncio.ensure_future(replica.wait()) for replica in replicas]
     stopper = asyncio.ensure_future(stopping.wait())
     code = await _serve_until_stopped(waiters, stopper, log)
     if code is not None:
         for replica in replicas:
-            await replica.stop("replica 0 stopped")
+            await replica.stop("the server ends")
         return code
     await supervisor.drain()  # the gateway first: no new request reaches any replica after
     await asyncio.gather(*(replica.drain() for replica in replicas[1:]))
@@ -195,8 +205,9 @@ async def serve(
 
 
 async def _serve_until_stopped(waiters, stopper, log) -> int | None:
-    """Until SIGTERM (None) or until replica 0 (`waiters[0]`), which holds the gateway, has
-    ended (the exit code); another replica ending is logged, and the gateway routes round it."""
+    """Until SIGTERM (None), or the exit code once the first tree (`waiters[0]`: the one that
+    holds the gateway) has ended, or every tree but it has (no engine left to route to); a
+    tree ending before is logged, and the gateway routes round it."""
     pending = {*waiters, stopper}
     while True:
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -204,10 +215,13 @@ async def _serve_until_stopped(waiters, stopper, log) -> int | None:
             return None
         for waiter in done:
             if isinstance(waiter.exception(), SupervisorError):
-                log.error("replica %d stopped: %s", waiters.index(waiter), waiter.exception())
-        if waiters[0].done():
+                log.error("tree %d stopped: %s", waiters.index(waiter), waiter.exception())
+        ended = waiters[0] if waiters[0].done() else None
+        if ended is None and len(waiters) > 1 and all(w.done() for w in waiters[1:]):
+            ended = waiters[-1]
+        if ended is not None:
             stopper.cancel()
-            return 1 if waiters[0].exception() is not None else 0
+            return 1 if ended.exception() is not None else 0
 
 
 def supervise_gateway(supervisor: Supervisor, http: argparse.Namespace, served: Plan):

@@ -1,6 +1,8 @@
 """`actorserve serve --data-parallel-size 2`: two engine stacks behind one gateway, end to end.
 The gateway spreads load over both, keeps a shared prefix on one replica (whose prefix cache then
 hits), and when a whole replica is SIGKILLed its streams go on on the other, output unchanged.
+Replica 0 is the one killed: the gateway is supervised apart from the replicas, so the server
+serves on.
 
 One server for the module (starting two stacks is most of the time); the SIGKILL test runs last.
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 from gateway_support import GatewayServer, call, open_stream, read_events, wait_until
 
+from actorserve import Client
 from support import prompts_of_lengths, smallest_greedy_margin
 
 pytestmark = pytest.mark.slow
@@ -43,9 +46,9 @@ FLAGS = (
 def server(llama_dir):
     server = GatewayServer(llama_dir, *FLAGS)
     line = server._read_line(30)
-    match = re.fullmatch(r"actorserve: replica 1 at ipc://(\S+)/client\.sock\n?", line)
+    match = re.fullmatch(r"actorserve: replica 1 at (ipc://\S+/client\.sock)\n?", line)
     assert match, line
-    server.replica_run_dirs = {1: match.group(1)}
+    server.replica_1_address = match.group(1)
     yield server
     assert server.stop() == 0
 
@@ -98,9 +101,9 @@ def test_requests_sharing_a_long_prefix_land_on_one_replica(server, llama_dir):
     assert wait_until(lambda: prefix_hits(server) - hits >= 7 * 64, 5)
 
 
-def replica_pids(run_dir: str) -> list[int]:
-    """The actor processes of the replica whose run directory is `run_dir` (their command line,
-    the config's JSON, names it)."""
+def replica_pids(name: str) -> list[int]:
+    """The actor processes of the replica whose run directory or client address is `name`
+    (their command line, the config's JSON, names both)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -108,7 +111,7 @@ def replica_pids(run_dir: str) -> list[int]:
                 cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if run_dir.encode() in cmdline and b"actorserve" in cmdline:
+            if name.encode() in cmdline and b"actorserve" in cmdline:
                 pids.append(int(entry.name))
     return pids
 
@@ -151,17 +154,22 @@ def test_streams_of_a_sigkilled_replica_complete_identically_on_the_other(server
     assert all(smallest_greedy_margin(llama_dir, p, 120) > 1e-3 for p in prompts[:-2])
     fault_free = streams(server, prompts)
     assert all(reason == "length" for _, reason in fault_free)
-    pids = replica_pids(server.replica_run_dirs[1])
+    # replica 0's actors: their config names its address, as the serving process's --address does
+    pids = [pid for pid in replica_pids(server.address) if pid != server.proc.pid]
     assert len(pids) == 4  # engine, scheduler, block manager, worker
 
-    def kill_replica_1() -> None:
+    def kill_replica_0() -> None:
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
 
     before = routed(server)
-    assert streams(server, prompts, kill_replica_1) == fault_free
+    assert streams(server, prompts, kill_replica_0) == fault_free
     after = routed(server)
-    # replica 1 had streams in flight, and they were sent again, to replica 0
+    # replica 0 had streams in flight, and they were sent again, to replica 1
     assert sum(after.values()) - sum(before.values()) > len(prompts)
-    assert replica_counts(server, "replica_up")["1"] == 0.0
-    assert wait_until(lambda: complete(server, prompts[0], 2), 10)  # replica 0 serves on
+    assert replica_counts(server, "replica_up")["0"] == 0.0
+    assert wait_until(lambda: complete(server, prompts[0], 2), 10)  # replica 1 serves on
+    assert server.proc.poll() is None  # replica 0's supervisor gave up; the server did not
+    # the leak check after this test asks replica 1, which took over replica 0's streams
+    server.client.close()
+    server.client = Client(server.replica_1_address, timeout_s=120)
