@@ -43,7 +43,8 @@ from .replica_keys import replica_keys
 
 
 class GatewayOnlySupervisor(Supervisor):
-    """The supervisor tree of `--role gateway`: no actors, the gateway its only child, watched
+    """The gateway's own supervisor tree (`--role gateway`, and `--data-parallel-size` > 1):
+    no actors, the gateway its only child, watched
     and restarted as an engine stack's supervisor does it. No Engine to send a roster to (a PUSH
     to a mailbox no one reads would fill and then block), and a drain is the gateway's."""
 
@@ -81,7 +82,9 @@ def plan(
     else:
         config, own_client = with_own_client(config)  # the gateway's key, for a CURVE engine
         count = config.data_parallel_size
-        trees = [Supervisor(config, address if i == 0 else None) for i in range(count)]
+        trees = [
+            Supervisor(replica_config(config, i), address if i == 0 else None) for i in range(count)
+        ]
         if count > 1 and http is not None:  # the gateway outlives any one replica
             trees.insert(0, GatewayOnlySupervisor(config))
     if http is None:
@@ -100,6 +103,19 @@ def plan(
     addresses = [tree.client_address for tree in engines] if len(engines) > 1 else []
     settings = msgspec.structs.replace(settings, replicas=addresses)
     return Plan(trees=trees, settings=settings, engine_keys=[own] * len(engines))
+
+
+def replica_config(config: EngineConfig, index: int) -> EngineConfig:
+    """Replica `index`'s config: on CUDA devices named `cuda[:B]`, its tensor-parallel ranks
+    start tensor_parallel_size devices after the previous replica's (B + index x TP), so no
+    two replicas share a device. `auto` and `cpu` stay as given (replicas on the CPU share
+    the cores: resolve_device gives each its part)."""
+    device = config.device
+    if index == 0 or not (device == "cuda" or device.startswith("cuda:")):
+        return config
+    base = int(device.partition(":")[2] or 0)
+    first = base + index * config.tensor_parallel_size
+    return msgspec.structs.replace(config, device=f"cuda:{first}")
 
 
 def engine_trees(trees: list[Supervisor]) -> list[Supervisor]:

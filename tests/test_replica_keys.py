@@ -13,7 +13,7 @@ from actorserve.gateway.curve_keys import ClientKeys, load_client_keys, load_ser
 from actorserve.gateway.curve_keys import write_keys as write_key_files
 from actorserve.gateway.service import GatewaySettings
 from actorserve.replica_keys import replica_keys
-from actorserve.serve import check_role, gateway_settings
+from actorserve.serve import check_role, gateway_settings, replica_config
 
 B, C = "tcp://10.0.0.2:5555", "tcp://10.0.0.3:5555"
 
@@ -105,3 +105,20 @@ def test_a_gateway_over_replicas_admits_as_many_requests_as_they_take_together()
     config = EngineConfig(model="/ckpt", max_model_len=64, facts=facts, max_live_requests=10)
     made = gateway_settings(serve_args("--replicas", f"{B},{C},ipc:///x"), config)
     assert made.max_concurrent_requests == 30
+
+
+@pytest.mark.parametrize(
+    ("device", "devices"),
+    [
+        ("cuda", ["cuda", "cuda:2", "cuda:4"]),
+        ("cuda:1", ["cuda:1", "cuda:3", "cuda:5"]),
+        ("cpu", ["cpu", "cpu", "cpu"]),
+        ("auto", ["auto", "auto", "auto"]),
+    ],
+)
+def test_data_parallel_replicas_on_cuda_take_disjoint_devices(device, devices):
+    """Three replicas of two tensor-parallel ranks each: replica i's ranks start at B + 2i."""
+    config = EngineConfig(
+        model="/ckpt", device=device, tensor_parallel_size=2, data_parallel_size=3
+    )
+    assert [replica_config(config, i).device for i in range(3)] == devices
