@@ -1,7 +1,7 @@
 """Tensor parallelism: one Worker against a group of ranks, on the same prompts.
 
     python scripts/bench_tensor_parallel.py [--model demo] [--sizes 1 2] [--num-requests 16]
-        [--threads-per-rank 1] [--json PATH]
+        [--threads-per-rank 1] [--dtype float32] [--json PATH]
 
 For each tensor_parallel_size in --sizes, the offline API (the real actor processes) runs the
 same seeded workload (random-token prompts, outputs to their length, greedy, ignore_eos) with
@@ -12,7 +12,9 @@ actors/worker/step_handler.py). Every rank runs --threads-per-rank torch threads
 CPU machine TP=2 is a correctness run with the all-reduce cost made visible, not a speed-up.
 On CUDA an all-reduce is queued on the stream and the time is its launch, not its transfer.
 The greedy tokens of every size are compared with the first size's: the table says whether
-they are the same.
+they are the same. Every size runs the plain torch path (the CPU fast path off, as it is for
+any group), so the sizes differ only by the sharding; in float32 (the default) the tokens are
+expected equal, in bfloat16 the all-reduce's different order of sums may flip a near tie.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def run_size(model_dir: Path, size: int, workload, args) -> tuple[dict, list[lis
             torch_threads=args.threads_per_rank,
             max_num_seqs=len(workload),
             step_trace=str(trace),
+            dtype=args.dtype,
+            cpu_fast_path=False,
         )
         if args.device:
             settings["device"] = args.device
@@ -83,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--threads-per-rank", type=int, default=1)
     parser.add_argument("--device", default=None, help="EngineConfig.device (default: auto)")
+    parser.add_argument("--dtype", default="float32", help="EngineConfig.dtype")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the table here")
     bc.add_workload_flags(parser)
     args = parser.parse_args(argv)
@@ -107,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         bc.Column("same_tokens", f"tokens = TP {args.sizes[0]}'s"),
     ]
     notes = [
-        f"{bc.model_label(args.model)}, {args.num_requests} requests: {bc.workload_lengths(args)}",
+        f"{bc.model_label(args.model)} in {args.dtype}, {args.num_requests} requests: "
+        f"{bc.workload_lengths(args)}",
         bc.machine_line(args.threads_per_rank),
     ]
     print(bc.format_table(rows, columns, "Tensor parallel", notes))
