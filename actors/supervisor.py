@@ -2,8 +2,8 @@
 
 Start: Worker first (it measures the KV cache and reports num_kv_blocks and its device in Ready:
 the defaults that depend on the device are resolved from it), then the BlockManager (sized from
-that), the Scheduler, and last the Engine (which opens the clients' door). The Engine and the
-children are spawned with the Worker (they read nothing it measures, and loading a tokenizer
+that) and the Scheduler together, last the Engine (which opens the clients' door). The Engine and
+the children are spawned with the Worker (they read nothing it measures, and loading a tokenizer
 takes as long as loading a small model); a request they take before the Scheduler is up waits
 in its mailbox's queue. Each must send Ready within `ready_timeout_s` of the start, awaited in
 that order, or start-up fails naming the actor.
@@ -104,18 +104,19 @@ class Supervisor:
         try:
             # What reads nothing the Worker measures (the Engine, the children) loads its
             # tokenizer while the Worker loads the model; the BlockManager and the Scheduler
-            # wait for the Worker's numbers. Ready is awaited in the start order all the same.
+            # wait for the Worker's numbers, then start together (neither sends before Ready).
+            # Ready is awaited in the start order all the same.
             early = ("worker", *INDEPENDENT_OF_WORKER, *self.children)
             for name in early:
                 self._spawn(name)
             for name in (*ACTORS, *self.children):
-                if name not in early:
-                    self._spawn(name)
                 ready = await self._wait_ready(name)
                 if name == "worker":
                     self.config = self.config.resolve_device(ready.device).resolve_kv_blocks(
                         ready.num_kv_blocks, ready.num_cpu_blocks
                     )
+                    for later in (a for a in ACTORS if a not in early):
+                        self._spawn(later)
         except BaseException:
             await self.stop()
             raise
