@@ -23,8 +23,7 @@ PROMPT_LENGTHS = [1, 2, 5, 9, 16, 17, 31, 48, 64, 100, 128, 129, 200, 313, 431, 
 # The KV cache of a test server that sizes none of its own (--num-kv-blocks,
 # --kv-cache-memory-gb): a quarter of the 1 GiB default holds 64k tokens or more of every test
 # checkpoint, far more than any test's requests, and the Worker zeroes a quarter of the memory at
-# every start
-# (several servers live at once in a run: the shared gateway's beside each module's own).
+# every start (several servers live at once in a run: the shared gateway's beside each module's).
 TEST_KV_CACHE_GB = "0.25"
 
 
