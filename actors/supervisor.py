@@ -2,8 +2,8 @@
 
 Start: Worker first (it measures the KV cache and reports num_kv_blocks and its device in Ready:
 the defaults that depend on the device are resolved from it), then the BlockManager (sized from
-that), the Scheduler, and last the Engine (which opens the clients' door). The Engine and the
-children are spawned with the Worker (they read nothing it measures, and loading a tokenizer
+that) and the Scheduler together, last the Engine (which opens the clients' door). The Engine and
+the children are spawned with the Worker (they read nothing it measures, and loading a tokenizer
 takes as long as loading a small model); a request they take before the Scheduler is up waits
 in its mailbox's queue. Each must send Ready within `ready_timeout_s` of the start, awaited in
 that order, or start-up fails naming the actor.
@@ -103,20 +103,20 @@ class Supervisor:
         self.mailbox = LoopSocket(socket)
         self._tasks.append(asyncio.create_task(self._receive()))
         try:
-            # The Engine and the children load their tokenizers while the Worker loads the model
-            # (they read nothing it measures); Ready is awaited in the start order all the same.
+            # The Engine and the children load tokenizers while the Worker loads the model; the
+            # BlockManager and Scheduler start together on its numbers. Ready: in start order.
             first = [a for a in ("worker", *INDEPENDENT_OF_WORKER) if a in self.actor_names]
             early = (*first, *self.children)
             for name in early:
                 self._spawn(name)
             for name in (*self.actor_names, *self.children):
-                if name not in early:
-                    self._spawn(name)
                 ready = await self._wait_ready(name)
                 if name == "worker":
                     self.config = self.config.resolve_device(ready.device).resolve_kv_blocks(
                         ready.num_kv_blocks, ready.num_cpu_blocks
                     )
+                    for later in (a for a in self.actor_names if a not in early):
+                        self._spawn(later)
         except BaseException:
             await self.stop()
             raise

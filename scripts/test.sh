@@ -10,4 +10,6 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
 fi
 . .venv/bin/activate
 ruff check .
+# Ends with the 30 slowest tests and the time per test file (tests/file_times.py): the suite's
+# budget is 15 minutes on a 2-core machine, slow tests included.
 exec python -m pytest -q -ra --durations=30 "$@"

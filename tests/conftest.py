@@ -14,8 +14,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from file_times import FileTimes  # noqa: E402
+
 from actorserve.checkpoints import ensure_checkpoint  # noqa: E402
 from support import EngineServer  # noqa: E402
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(FileTimes(), "file_times")
 
 
 def pytest_collection_modifyitems(config, items):

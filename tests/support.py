@@ -20,6 +20,11 @@ from actorserve.gateway.client import AsyncClient, Client
 from actorserve.messages.common import SamplingParams
 
 PROMPT_LENGTHS = [1, 2, 5, 9, 16, 17, 31, 48, 64, 100, 128, 129, 200, 313, 431, 500]
+# The KV cache of a test server that sizes none of its own (--num-kv-blocks,
+# --kv-cache-memory-gb): a quarter of the 1 GiB default holds 64k tokens or more of every test
+# checkpoint, far more than any test's requests, and the Worker zeroes a quarter of the memory at
+# every start (several servers live at once in a run: the shared gateway's beside each module's).
+TEST_KV_CACHE_GB = "0.25"
 
 
 @functools.cache
@@ -170,6 +175,8 @@ class EngineServer:
             "0",
             *flags,
         ]
+        if not {"--num-kv-blocks", "--kv-cache-memory-gb"} & {f.split("=")[0] for f in flags}:
+            cmd += ["--kv-cache-memory-gb", TEST_KV_CACHE_GB]
         self.log_path = Path(self.run_dir) / "serve.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(

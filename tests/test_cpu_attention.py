@@ -137,14 +137,25 @@ def test_half_precision_with_prefill_chunks_falls_back_to_the_torch_path(monkeyp
 
 
 def test_the_kernel_library_is_cached_by_content(tmp_path, monkeypatch):
-    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    """build() over a one-function source: the caching is the same for any sources, and the
+    real library's compile is what every kernel test here already waits for."""
+    cache, source = tmp_path / "cache", tmp_path / "one.c"
+    source.write_text("int one(void) { return 1; }\n")
+    monkeypatch.setattr(build, "SOURCES", (source,))
+    monkeypatch.setattr(build, "HEADERS", ())
+    monkeypatch.setenv(build.CACHE_ENV, str(cache))
     first = build.build()
-    assert first is not None and first.parent == tmp_path
+    assert first is not None and first.parent == cache
     built_at = first.stat().st_mtime_ns
-    monkeypatch.setattr(build.subprocess, "run", _compiler_only_for_version(build.subprocess.run))
+    compile_for_real = build.subprocess.run
+    monkeypatch.setattr(build.subprocess, "run", _compiler_only_for_version(compile_for_real))
     assert build.build() == first  # a second build finds the first one, compiling nothing
     assert first.stat().st_mtime_ns == built_at
-    assert len(list(tmp_path.iterdir())) == 1
+    assert list(cache.iterdir()) == [first]
+    monkeypatch.setattr(build.subprocess, "run", compile_for_real)
+    source.write_text("int one(void) { return 2; }\n")  # changed content: another library
+    second = build.build()
+    assert second != first and list(cache.iterdir()) == [second]  # the stale one removed
 
 
 def test_an_installed_package_carries_every_file_the_kernel_library_is_built_from():
