@@ -61,8 +61,8 @@ class OpTimer:
 
 
 def instrument(runner, timer: OpTimer) -> None:
-    """Wrap the model's ops, the fast path's head and the runner's phases (this process only)."""
-    model, fast = runner.model, runner.fast_path
+    """Wrap the model's ops, the LM head's greedy pick and the runner's phases (this process)."""
+    model = runner.model
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qk_norm_rope = timer.wrap("q/k norm + RoPE", attn.qk_norm_rope)
@@ -82,7 +82,7 @@ def instrument(runner, timer: OpTimer) -> None:
             norm.forward = timer.wrap("RMSNorm (+ residual)", norm.forward)
     model.model.norm.forward = timer.wrap("RMSNorm (+ residual)", model.model.norm.forward)
     runner.compute_logits = timer.wrap("lm_head", runner.compute_logits)
-    fast.greedy_tokens = timer.wrap("lm_head + greedy argmax (as served)", fast.greedy_tokens)
+    runner.greedy_tokens = timer.wrap("lm_head + greedy argmax (as served)", runner.greedy_tokens)
     runner.prepare = timer.wrap("input preparation", runner.prepare)
     runner.sampler = timer.wrap("sampling", runner.sampler)
 
