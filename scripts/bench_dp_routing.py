@@ -2,9 +2,10 @@
 
 Two replicas (`actorserve serve --data-parallel-size 2`, one torch thread each) behind one
 gateway, started once per policy (`--route-policy prefix`, then `round_robin`). The workload:
-`--system-prompts` system prompts of 4-8 KV blocks each, every request one of them plus its own
-user suffix, in a shuffled order, sent `--concurrency` at a time through the OpenAI streaming
-endpoint (POST /v1/completions, stream=true; scripts/serving_load.py's GatewayDoor). Per policy:
+`--system-prompts` system prompts of `--system-blocks` (4-8) KV blocks each, every request one
+of them plus its own user suffix, in a shuffled order, sent `--concurrency` at a time through the
+OpenAI streaming endpoint (POST /v1/completions, stream=true; scripts/serving_load.py's
+GatewayDoor). Per policy:
 TTFT p50/p90, output tokens/s, and the prefix-cache hit rate (the replicas' hit tokens over
 their looked-up tokens, from /health, over the run); then prefix / round robin ratios.
 
@@ -89,13 +90,19 @@ class DataParallelServer:
 
 
 def shared_prefix_workload(
-    num_requests: int, system_prompts: int, vocab: int, output_len: int, seed: int
+    num_requests: int,
+    system_prompts: int,
+    system_blocks: tuple[int, int],
+    vocab: int,
+    output_len: int,
+    seed: int,
 ) -> list[bc.Request]:
-    """Each request: one of `system_prompts` prompts of 4-8 full blocks, then 8-40 tokens of its
-    own; the system prompts in turn, the order shuffled (arrivals interleave them)."""
+    """Each request: one of `system_prompts` prompts of `system_blocks` (min, max) full blocks,
+    then 8-40 tokens of its own; the system prompts in turn, the order shuffled (arrivals
+    interleave them)."""
     rng = random.Random(seed)
     systems = [
-        [rng.randrange(5, vocab) for _ in range(rng.randint(4, 8) * BLOCK_SIZE)]
+        [rng.randrange(5, vocab) for _ in range(rng.randint(*system_blocks) * BLOCK_SIZE)]
         for _ in range(system_prompts)
     ]
     requests = []
@@ -135,6 +142,14 @@ def main() -> int:
     parser.add_argument("--model", default="llama-350m", help="a checkpoint kind or directory")
     parser.add_argument("--num-requests", type=int, default=96)
     parser.add_argument("--system-prompts", type=int, default=8)
+    parser.add_argument(
+        "--system-blocks",
+        type=int,
+        nargs=2,
+        default=[4, 8],
+        metavar=("MIN", "MAX"),
+        help="length of each system prompt, in KV blocks",
+    )
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
@@ -149,7 +164,12 @@ def main() -> int:
     model_dir = bc.resolve_model(args.model)
     vocab = bc.ModelShape.read(model_dir).vocab
     workload = shared_prefix_workload(
-        args.num_requests, args.system_prompts, vocab, args.output_len, args.seed
+        args.num_requests,
+        args.system_prompts,
+        tuple(args.system_blocks),
+        vocab,
+        args.output_len,
+        args.seed,
     )
     rows = [measure(model_dir, policy, args, workload) for policy in POLICIES]
     failed = sum(row["failed"] for row in rows)
@@ -170,8 +190,9 @@ def main() -> int:
     ]
     title = (
         f"DP routing, 2 replicas x 1 thread, {bc.model_label(args.model)}: {args.num_requests} "
-        f"requests over {args.system_prompts} system prompts, concurrency {args.concurrency}, "
-        f"{args.output_len} output tokens\n{bc.machine_line(1)}\n"
+        f"requests over {args.system_prompts} system prompts of {args.system_blocks[0]}-"
+        f"{args.system_blocks[1]} blocks, concurrency {args.concurrency}, {args.output_len} "
+        f"output tokens, serve flags {' '.join(args.serve_flags) or '-'}\n{bc.machine_line(1)}\n"
     )
     notes = ["(ratio row: prefix over round robin; TTFT under 1 is prefix affinity's gain)"]
     print(bc.format_table([*rows, ratios], columns, title, notes))
