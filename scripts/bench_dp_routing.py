@@ -23,11 +23,7 @@ import argparse
 import asyncio
 import json
 import random
-import re
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -35,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc  # noqa: E402
+from bench_serving import Server  # noqa: E402
 from serving_load import GatewayDoor, run_point, summarize  # noqa: E402
 
 POLICIES = ("prefix", "round_robin")
@@ -42,31 +39,15 @@ BLOCK_SIZE = 16
 HEALTH_INTERVAL_S = 0.5  # /health repeats its answer this long: the counters wait it out
 
 
-class DataParallelServer:
+class DataParallelServer(Server):
     """`actorserve serve --data-parallel-size 2` with one routing policy, on a free port."""
 
     def __init__(self, model_dir: Path, policy: str, extra: list[str], timeout_s: float = 600.0):
-        self.tmp = tempfile.TemporaryDirectory(prefix="actorserve-dp-routing-")
-        self.log_path = Path(self.tmp.name) / "serve.log"
-        self.log = open(self.log_path, "wb")
-        command = [
-            sys.executable, "-m", "actorserve.cli", "serve", "--model", str(model_dir),
-            "--data-parallel-size", "2", "--torch-threads", "1", "--block-size", str(BLOCK_SIZE),
-            "--route-policy", policy, "--host", "127.0.0.1", "--port", "0",
-            "--health-interval-s", str(HEALTH_INTERVAL_S), *extra,
+        flags = [
+            "--data-parallel-size", "2", "--block-size", str(BLOCK_SIZE), "--route-policy",
+            policy, "--health-interval-s", str(HEALTH_INTERVAL_S), *extra,
         ]  # fmt: skip
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"actorserve serve exited early:\n{self.tail()}")
-            found = re.search(r"actorserve: http://[^\s:]+:(\d+)", self.log_path.read_text())
-            if found:
-                self.port = int(found.group(1))
-                return
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"actorserve serve was not ready in {timeout_s:.0f} s")
+        super().__init__(model_dir, 1, timeout_s, flags)
 
     def prefix_tokens(self) -> tuple[int, int]:
         """(hit, looked up) prompt tokens of the prefix caches, summed over the replicas."""
@@ -74,19 +55,6 @@ class DataParallelServer:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=30) as reply:
             engine = json.loads(reply.read()).get("engine", {})
         return engine.get("prefix_hit_tokens", 0), engine.get("prefix_query_tokens", 0)
-
-    def tail(self, n: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self.log.close()
-        self.tmp.cleanup()
 
 
 def shared_prefix_workload(

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,7 +48,14 @@ class Server:
     """`actorserve serve` in a subprocess: engine at an ipc:// address, gateway on the port the
     system picks (`--port 0`; serve prints `actorserve: http://HOST:PORT` once it listens)."""
 
-    def __init__(self, model_dir: Path, threads: int, ready_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        model_dir: Path,
+        threads: int,
+        ready_timeout_s: float = 300.0,
+        flags: Sequence[str] = (),
+    ):
+        """`flags`: more `actorserve serve` flags."""
         self.tmp = tempfile.TemporaryDirectory(prefix="actorserve-serving-")
         self.address = f"ipc://{self.tmp.name}/client.sock"
         self.log_path = Path(self.tmp.name) / "serve.log"
@@ -55,7 +63,7 @@ class Server:
         command = [
             sys.executable, "-m", "actorserve.cli", "serve", "--model", str(model_dir),
             "--address", self.address, "--host", "127.0.0.1", "--port", "0",
-            "--torch-threads", str(threads),
+            "--torch-threads", str(threads), *flags,
         ]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + ready_timeout_s
