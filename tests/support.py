@@ -214,12 +214,18 @@ class EngineServer:
 
     def stop(self) -> int:
         self.client.close()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self._log.close()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-        return code
+        return stop_server(self.proc, self._log, self.run_dir)
+
+
+def stop_server(proc: subprocess.Popen, log, run_dir: str) -> int:
+    """SIGTERM `actorserve serve`, SIGKILL it if still running after 60 s; its exit code. Then
+    close its log and remove its run directory."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    log.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return code

@@ -31,7 +31,7 @@ import pytest
 from actorserve.gateway.client import AsyncClient
 from actorserve.gateway.curve_keys import client_options, write_keys
 from actorserve.gateway.errors import EngineUnavailable
-from support import EngineServer, prompts_of_lengths
+from support import EngineServer, prompts_of_lengths, stop_server
 
 pytestmark = pytest.mark.slow
 HOSTS = ("127.0.0.2", "127.0.0.3")
@@ -88,15 +88,7 @@ class GatewayOnly:
             conn.close()
 
     def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self._log.close()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-        return code
+        return stop_server(self.proc, self._log, self.run_dir)
 
 
 @pytest.fixture(scope="module")
