@@ -21,10 +21,10 @@ from msgspec import Meta
 
 from ..config_flags import NOT_A_FLAG
 from .model_config import ModelConfig
+from .worker.models.sharding import ShardLayout
 
 ACTORS = ("worker", "block_manager", "scheduler", "engine")  # start order; stop is the reverse
-# The Worker's second mailbox, read by its forward thread alone: StepPlan and Reset from the
-# Scheduler (its first, "worker", is the event loop's: Stop).
+# The Worker's forward thread's own mailbox (StepPlan, Reset); "worker" is its event loop's (Stop)
 WORKER_STEPS = "worker_steps"
 
 PreemptionMode = Literal["recompute", "swap"]
@@ -32,11 +32,9 @@ VictimPolicy = Literal["fewest_computed", "last_admitted"]
 GreedyHeadScreen = Literal["auto", "int8", "bf16", "off"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KvCacheDtype = Literal["auto", "bfloat16", "float32"]
-# max_num_seqs when unset: a GPU step reads every weight once whatever its batch, so a wide
-# batch is nearly free there; a CPU step's GEMMs grow with it.
+# max_num_seqs unset: a GPU step reads each weight once whatever the batch; CPU GEMMs grow with it
 DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
-# torch_threads when unset on CUDA: the host thread only launches kernels, and more threads
-# would take cores from the other actors (the CPU default is every core).
+# torch_threads unset on CUDA: the host thread only launches kernels; more take others' cores
 CUDA_TORCH_THREADS = 1
 
 
@@ -344,8 +342,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name} must be {limit}, got {getattr(self, name)}")
 
     def resolve_model(self) -> EngineConfig:
-        """Fill `facts` and `max_model_len` from the checkpoint's JSON files."""
+        """Fill `facts` and `max_model_len` from the checkpoint's JSON files (ValueError naming
+        the field of a model that tensor_parallel_size does not split, before any rank starts)."""
         facts = ModelFacts.read(self.model)
+        if self.tensor_parallel_size > 1:
+            ShardLayout.of(ModelConfig.from_dir(self.model), 0, self.tensor_parallel_size)
         max_len = self.max_model_len or facts.max_position_embeddings
         if max_len > facts.max_position_embeddings:
             raise ValueError(
@@ -361,9 +362,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         (CUDA_TORCH_THREADS on CUDA; on CPU the cores, shared out among data_parallel_size
         replicas' tensor_parallel_size ranks); `cpu_fast_path` off on CPU with more than one
         rank (its packed weights and fused heads are whole-model ones). Settings the user gave
-        stay, and validate() passes on the result wherever it passed before. The Worker
-        resolves its own config with it, and the supervisor, once the Worker's Ready names its
-        device, the one every later actor gets: the same rule."""
+        stay; validate() passes on the result wherever it passed before. The Worker resolves its
+        config with it, as the supervisor, once the Worker's Ready names the device, does."""
         kind = "cuda" if device_type == "cuda" else "cpu"
         max_num_seqs = self.max_num_seqs
         if max_num_seqs is None:

@@ -242,3 +242,11 @@ def test_stopping_the_server_leaves_no_rank_behind(llama_group):
         assert llama_group.stop() == 0
         assert not is_alive(worker) and not is_alive(follower)
         assert "did not stop: killing it" not in log.read()  # the follower stopped on Stop
+
+
+def test_a_model_that_does_not_split_is_refused_before_any_rank_starts(llama_dir):
+    """tiny-llama's 2 query heads do not split across 3 ranks: the config says so, naming the
+    config.json field, before the supervisor starts a process."""
+    config = EngineConfig(model=str(llama_dir), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="num_attention_heads.*tensor_parallel_size"):
+        config.resolve_model()
