@@ -16,7 +16,7 @@ sampled tokens back) on the network, on the critical path of every token: no rol
 The gateway is a supervised process of its own (gateway_process.py), serving on a socket bound
 here, so a restarted gateway serves on the same port. With one engine stack its supervisor is
 that stack's; with `--data-parallel-size` N > 1, and under `--role gateway`, it has a supervisor
-tree of its own (`GatewayOnlySupervisor`), so any replica may end and the server goes on.
+tree of its own (`gateway_tree`), so any replica may end and the server goes on.
 """
 
 from __future__ import annotations
@@ -42,21 +42,10 @@ from .gateway_process import NAME, GatewaySpec
 from .replica_keys import replica_keys
 
 
-class GatewayOnlySupervisor(Supervisor):
-    """The gateway's own supervisor tree (`--role gateway`, and `--data-parallel-size` > 1):
-    no actors, the gateway its only child, watched
-    and restarted as an engine stack's supervisor does it. No Engine to send a roster to (a PUSH
-    to a mailbox no one reads would fill and then block), and a drain is the gateway's."""
-
-    def __init__(self, config: EngineConfig):
-        super().__init__(config, None, actors=())
-
-    def _send_roster(self) -> None:
-        pass
-
-    async def drain(self, timeout_s: float | None = None) -> bool:
-        await self._drain_children()
-        return True
+def gateway_tree(config: EngineConfig) -> Supervisor:
+    """The gateway's own supervisor tree (`--role gateway`, and `--data-parallel-size` > 1): no
+    actors, the gateway its only child, watched and restarted as in an engine stack's tree."""
+    return Supervisor(config, None, actors=())
 
 
 class Plan(msgspec.Struct, kw_only=True):
@@ -78,7 +67,7 @@ def plan(
         return Plan(trees=[Supervisor(config, address)])
     own_client: dict = {}
     if role == "gateway":
-        trees: list[Supervisor] = [GatewayOnlySupervisor(config)]
+        trees: list[Supervisor] = [gateway_tree(config)]
     else:
         config, own_client = with_own_client(config)  # the gateway's key, for a CURVE engine
         count = config.data_parallel_size
@@ -86,7 +75,7 @@ def plan(
             Supervisor(replica_config(config, i), address if i == 0 else None) for i in range(count)
         ]
         if count > 1 and http is not None:  # the gateway outlives any one replica
-            trees.insert(0, GatewayOnlySupervisor(config))
+            trees.insert(0, gateway_tree(config))
     if http is None:
         return Plan(trees=trees)
     try:  # the settings take the model's facts, which the supervisor has read
@@ -120,7 +109,7 @@ def replica_config(config: EngineConfig, index: int) -> EngineConfig:
 
 def engine_trees(trees: list[Supervisor]) -> list[Supervisor]:
     """The trees that run an engine stack (replica 0 first), the gateway's own left out."""
-    return [tree for tree in trees if not isinstance(tree, GatewayOnlySupervisor)]
+    return [tree for tree in trees if tree.actor_names]
 
 
 def check_role(

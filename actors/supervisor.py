@@ -3,10 +3,9 @@
 Start: Worker first (it measures the KV cache and reports num_kv_blocks and its device in Ready:
 the defaults that depend on the device are resolved from it), then the BlockManager (sized from
 that) and the Scheduler together, last the Engine (which opens the clients' door). The Engine and
-the children are spawned with the Worker (they read nothing it measures, and loading a tokenizer
-takes as long as loading a small model); a request they take before the Scheduler is up waits
-in its mailbox's queue. Each must send Ready within `ready_timeout_s` of the start, awaited in
-that order, or start-up fails naming the actor.
+the children are spawned with the Worker (they read nothing it measures); a request they take
+before the Scheduler is up waits in its mailbox's queue. Each must send Ready within
+`ready_timeout_s` of the start, awaited in that order, or start-up fails naming the actor.
 
 While serving: an actor that exits, or misses 3 heartbeats (hung, SIGSTOPped: it is killed), is
 restarted after an exponential backoff; the replacement starts at epoch -1 (deaf to stale
@@ -16,10 +15,10 @@ deaths of one actor within `restart_window_s` stop the whole tree with the reaso
 Drain: the Engine refuses new requests until in-flight ones finish (or `drain_timeout_s`).
 Stop: Engine first (no new requests), then Scheduler, BlockManager, Worker.
 
-Other children (`supervise`, before start: the HTTP gateway) are watched and restarted the same
-way, but hold no step state: they start after the Engine, stop before it, are drained first
-(they refuse new requests), and their restart resets nothing. They speak the actors' control
-protocol: Ready and Heartbeat to the supervisor's mailbox, Drain and Stop on their own.
+Other children (`supervise`: the HTTP gateway) are watched and restarted the same way but hold
+no step state: they stop and drain first, and their restart resets nothing. They speak the
+actors' control protocol (Ready, Heartbeat; Drain, Stop). A tree may have no actors at all (the
+gateway's own, serve.py): it then only watches its children.
 """
 
 from __future__ import annotations
@@ -65,19 +64,16 @@ class SupervisorError(RuntimeError):
 
 class Supervisor:
     def __init__(self, config: EngineConfig, client_address: str | None = None, actors=ACTORS):
-        self.actor_names: tuple[str, ...] = actors  # none in a gateway-only tree (serve.py)
+        self.actor_names: tuple[str, ...] = actors  # () in a tree of the gateway alone (serve.py)
         config.validate()
         check_curve(config, client_address)  # tcp:// only with CURVE keys (or loopback, if asked)
-        self.config = config.resolve_model()
+        resolved = config.resolve_model()  # before the run directory: an error leaves none
         self.run_dir = tempfile.mkdtemp(prefix="actorserve-")  # mode 0700
-        self.config = msgspec.structs.replace(
-            self.config,
-            addresses=Addresses(
-                self.run_dir, client_address or f"ipc://{self.run_dir}/client.sock"
-            ),
-        )
+        client_address = client_address or f"ipc://{self.run_dir}/client.sock"
+        addresses = Addresses(self.run_dir, client_address)
+        self.config = msgspec.structs.replace(resolved, addresses=addresses)
         self.actors: dict[str, ActorProcess] = {}
-        self.children: dict[str, Child] = {}  # by name; started after the actors
+        self.children: dict[str, Child] = {}  # by name
         self.failure: str | None = None
         self.epoch = self.config.epoch
         self._drained = asyncio.Event()  # the Engine's Drained
@@ -278,7 +274,8 @@ class Supervisor:
         )
 
     def _send_roster(self) -> None:
-        self._send("engine", Roster([a.status() for a in self.actors.values()]))
+        if "engine" in self.actor_names:  # a tree of the gateway alone has no one to tell
+            self._send("engine", Roster([a.status() for a in self.actors.values()]))
 
     def statuses(self) -> list[ActorStatus]:
         return [a.status() for a in self.actors.values()]
@@ -301,12 +298,15 @@ class Supervisor:
             raise SupervisorError(self.failure)
 
     async def drain(self, timeout_s: float | None = None) -> bool:
-        """Refuse new requests and wait for in-flight ones to finish; False on timeout."""
+        """Refuse new requests and wait for in-flight ones to finish (a tree without an Engine:
+        its children's refusal only); False on timeout, or with the Engine gone."""
         timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
         engine = self.actors.get("engine")
-        if engine is None or engine.process.poll() is not None:
+        if "engine" in self.actor_names and (engine is None or engine.process.poll() is not None):
             return False
         await self._drain_children()
+        if engine is None:
+            return True
         self._drained.clear()
         self._send("engine", Drain())
         try:
