@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from .actors.config import EngineConfig
-from .actors.supervisor import BackgroundSupervisor
+from .actors.runtime.config import EngineConfig
+from .actors.supervisor.background import BackgroundSupervisor
 from .gateway.client import AsyncClient, Client
 from .messages.common import FinishReason, SamplingParams
 

@@ -206,10 +206,6 @@ class AsyncClient:
                 raise EngineUnavailable(f"the engine at {self.address} {reason}")
         sending.result()
 
-    async def send_raw(self, data: bytes) -> None:
-        """Send bytes as they are (for tests of the engine's input checks)."""
-        await self._send(data)
-
     async def generate(
         self,
         prompt: str | list[int],

@@ -48,8 +48,8 @@ STALE_INTERVALS = 5  # stats older than this many route_stats_interval_s are not
 
 def prefix_key(token_ids: Sequence[int], block_size: int, max_blocks: int) -> bytes | None:
     """The hash of the prompt's first full blocks (at most `max_blocks`); None under one block.
-    (Not the BlockManager's chained block hashes, actors/block_hash.py, which the gateway may
-    not import: any hash of the same tokens keys a route as well.)"""
+    (Not the BlockManager's chained block hashes, actors/block_manager/block_hash.py, which the
+    gateway may not import: any hash of the same tokens keys a route as well.)"""
     full = min(len(token_ids) // block_size, max_blocks) * block_size
     if full == 0:
         return None

@@ -17,7 +17,7 @@ checked in guards.py: with a key set, every route but the page, /health and /rea
 `Authorization: Bearer KEY` (401 otherwise). Connection limits and timeouts: connections.py.
 
 `create_app` builds the app; HTTPGateway runs it under uvicorn, in the gateway's own
-supervised process (gateway_process.py).
+supervised process (gateway/process.py).
 """
 
 from __future__ import annotations

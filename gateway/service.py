@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from ..config_flags import NOT_A_FLAG
+from ..actors.runtime.config import NOT_A_FLAG
 from ..messages.client import Delta
 from ..messages.common import OutputKind, SamplingParams, max_prompt_chars
 from .errors import EngineError
@@ -34,7 +34,7 @@ RETRY_AFTER = {"Retry-After": "1"}
 
 class GatewaySettings(msgspec.Struct, kw_only=True):
     """The gateway's settings; each one not marked NOT_A_FLAG (those come from the engine) is a
-    flag of `actorserve serve`, generated from its field (config_flags.py). Sizes in bytes, times
+    flag of `actorserve serve`, generated from its field (cli/flags.py). Sizes in bytes, times
     in seconds."""
 
     model_id: Annotated[str, Meta(description="the name clients pass as `model`", extra=NOT_A_FLAG)]

@@ -1,5 +1,6 @@
 """Structured outputs on the wire: what a request's output must match, and the Scheduler's and
-Worker's exchange that compiles its grammar before the request runs (actors/grammar_gate.py)."""
+Worker's exchange that compiles its grammar before the request runs
+(actors/scheduler/grammar_gate.py)."""
 
 from __future__ import annotations
 

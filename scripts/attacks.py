@@ -22,10 +22,10 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from actorserve.checkpoints import ensure_checkpoint
 from actorserve.gateway.client import Client
 from actorserve.gateway.errors import EngineError
 from actorserve.messages.common import SamplingParams
+from actorserve.weights.checkpoints import ensure_checkpoint
 
 
 class Server:

@@ -26,11 +26,12 @@ CHECKPOINT_KINDS = ("demo", "llama-125m", "llama-350m")
 
 
 def resolve_model(name: str) -> Path:
-    """A checkpoint kind built by actorserve.checkpoints (CHECKPOINT_KINDS) or a directory."""
+    """A checkpoint kind built by actorserve.weights.checkpoints (CHECKPOINT_KINDS), or a
+    directory."""
     path = Path(name)
     if path.is_dir():
         return path
-    from actorserve.checkpoints import ensure_checkpoint
+    from actorserve.weights.checkpoints import ensure_checkpoint
 
     return ensure_checkpoint(name)
 
@@ -55,7 +56,7 @@ class ModelShape:
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape:
         """Through actorserve's own config.json parser (the one place that reads it)."""
-        from actorserve.actors.model_config import ModelConfig
+        from actorserve.actors.runtime.model_config import ModelConfig
 
         c = ModelConfig.from_dir(Path(model_dir))
         return cls(

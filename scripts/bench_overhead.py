@@ -4,7 +4,7 @@
 
 1. Step breakdown, on the real actor processes: the offline API runs `--num-requests` requests
    (random-token prompts of 16-512 tokens, `--output-len` tokens each, ignore_eos) with the
-   Worker tracing its steps (EngineConfig.step_trace, actors/step_trace.py). Over the decode
+   Worker tracing its steps (EngineConfig.step_trace, actors/runtime/step_trace.py). Over the decode
    steps that run all `--num-requests` requests, each step's period (one step start to the next)
    is split into: decoder forward and lm_head (the model; with every row greedy, the LM head
    picks the tokens itself, kernels/cpu/csrc/cpu_panel_gemm.c, so the argmax is in that row), input

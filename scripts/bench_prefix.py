@@ -28,8 +28,8 @@ from bench_common import (  # noqa: E402
     resolve_model,
 )
 
-from actorserve.actors.config import EngineConfig  # noqa: E402
-from actorserve.actors.supervisor import BackgroundSupervisor  # noqa: E402
+from actorserve.actors.runtime.config import EngineConfig  # noqa: E402
+from actorserve.actors.supervisor.background import BackgroundSupervisor  # noqa: E402
 from actorserve.gateway.client import AsyncClient  # noqa: E402
 from actorserve.messages.common import SamplingParams  # noqa: E402
 

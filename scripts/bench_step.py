@@ -92,7 +92,7 @@ def build(model_dir: Path, prompts: list[list[int]], decode_steps: int):
     cache that holds every prompt plus its decode steps -> (runner, blocks per prompt)."""
     import msgspec
 
-    from actorserve.actors.config import EngineConfig
+    from actorserve.actors.runtime.config import EngineConfig
     from actorserve.actors.worker.worker import build_runner
 
     config = EngineConfig(model=str(model_dir), device="cpu").resolve_model()

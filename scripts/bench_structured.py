@@ -7,7 +7,7 @@ specs against the model's tokenizer (a fresh compiler each time: what the Worker
 thread pays the first time it sees a schema; then the cached lookup), and the sampling part of a
 step over `rows` rows of random logits, unconstrained (the sampler alone) and constrained (every
 row's grammar mask filled and applied, the sampler, each matcher advanced: what
-runner._sample adds for structured rows). The model's forward is the same for both and left out:
+StepSampler.sample adds for structured rows). The model's forward is the same for both and left out:
 the difference per row is what a structured request adds to a step. Matchers that reach the end
 of their grammar are reset between steps, outside the timed part.
 """
@@ -62,7 +62,7 @@ def compile_rows(model_dir: Path, vocab_size: int, eos: list[int], repeats: int)
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from actorserve.actors import grammars
+    from actorserve.actors.runtime import grammars
     from actorserve.actors.worker.grammar_cache import GrammarCache
 
     start = time.perf_counter()
@@ -104,12 +104,10 @@ def step_rows(model_dir, vocab_size, eos, num_rows: list[int], steps: int) -> li
     import torch
 
     from actorserve.actors.worker.grammar_cache import GrammarCache
-    from actorserve.actors.worker.grammar_state import (
-        GrammarState,
-        advance_grammars,
-        mask_grammar_rows,
-    )
-    from actorserve.actors.worker.sampler import Sampler, SampleRow
+    from actorserve.actors.worker.grammar_masks import advance_grammars, mask_grammar_rows
+    from actorserve.actors.worker.grammar_state import GrammarState
+    from actorserve.actors.worker.sample_row import SampleRow
+    from actorserve.actors.worker.sampler import Sampler
     from actorserve.messages.common import SamplingParams
 
     spec = specs()["json_schema (nested, enums, arrays)"]
@@ -163,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from actorserve.actors.config import ModelFacts
+    from actorserve.actors.runtime.model_config import ModelFacts
 
     torch.set_num_threads(args.threads or bc.default_threads())
     model_dir = bc.resolve_model(args.model)

@@ -28,10 +28,10 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-from actorserve.checkpoints import ensure_checkpoint
 from actorserve.gateway.client import AsyncClient, Client
 from actorserve.gateway.errors import EngineError
 from actorserve.messages.common import SamplingParams
+from actorserve.weights.checkpoints import ensure_checkpoint
 
 VICTIMS = ("worker", "scheduler", "block_manager", "engine", "gateway")
 

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-model=$(python -m actorserve.checkpoints demo-python)
+model=$(python -m actorserve.weights.checkpoints demo-python)
 host=${HOST:-127.0.0.1}
 port=${PORT:-8000}
 cat >&2 <<MSG

@@ -76,7 +76,7 @@ class Check:
         tmp.replace(out)
 
     def checkpoint(self, kind: str) -> Path:
-        from actorserve.checkpoints import ensure_checkpoint
+        from actorserve.weights.checkpoints import ensure_checkpoint
 
         return ensure_checkpoint(kind)
 

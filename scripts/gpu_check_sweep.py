@@ -83,7 +83,7 @@ def build(model_dir: Path, device: str, enforce_eager: bool, sizes: SweepSizes):
     and every decode step of the sweep -> (runner, blocks per request)."""
     import msgspec
 
-    from actorserve.actors.config import EngineConfig
+    from actorserve.actors.runtime.config import EngineConfig
     from actorserve.actors.worker.worker import build_runner
 
     config = EngineConfig(

@@ -75,7 +75,7 @@ def echo_main(inbox: str, outbox: str, n: int, prompt_len: int, mode: str) -> No
     (an empty one to the empty plan)."""
     import zmq
 
-    from actorserve.actors.runtime import LoopSocket
+    from actorserve.actors.runtime.actor import LoopSocket
     from actorserve.messages.codec import Decoder, WorkerStepsInbox, encode
 
     _, result = plans(n, prompt_len)
@@ -140,7 +140,7 @@ def round_trips(
     """One row per plan of `names` in pairing `mode` (MODES); `where`: "" or ONE_CPU."""
     import zmq
 
-    from actorserve.actors.runtime import LoopSocket
+    from actorserve.actors.runtime.actor import LoopSocket
     from actorserve.messages.codec import Decoder, SchedulerInbox, encode
 
     measured = {name: plan for name, plan in plans(n, prompt_len)[0].items() if name in names}

@@ -4,8 +4,8 @@
 
 Reproduces the committed `weights/demo-python` (what `bash scripts/demo.sh` serves): a Llama of
 ~11M parameters (hidden 256, 4 layers, tied embeddings, so 8.2M of them are the embedding) with
-the tokenizer every random checkpoint shares (actorserve.checkpoints), trained from a fixed seed on
-this interpreter's standard-library .py files, minus the held-out ones
+the tokenizer every random checkpoint shares (actorserve.weights.checkpoints), trained from a
+fixed seed on this interpreter's standard-library .py files, minus the held-out ones
 (`checkpoints.demo_sources`), with one torch thread. At the end it prints the perplexity of the
 trained model and of the random `demo` checkpoint on the held-out files, and a greedy completion.
 
@@ -35,7 +35,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from actorserve import checkpoints  # noqa: E402
+from actorserve.weights import checkpoints  # noqa: E402
 
 EVAL_WINDOWS = 64  # held-out windows of seq_len tokens each, the same for both models
 PROMPT = "def fibonacci(n):"

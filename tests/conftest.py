@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 from file_times import FileTimes  # noqa: E402
 
-from actorserve.checkpoints import ensure_checkpoint  # noqa: E402
+from actorserve.weights.checkpoints import ensure_checkpoint  # noqa: E402
 from support import EngineServer  # noqa: E402
 
 

@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from actorserve.actors.model_config import ModelConfig
+from actorserve.actors.runtime.model_config import ModelConfig
 from actorserve.actors.worker.models.llama import AttentionMetadata, CausalLM
 
 BLOCK_SIZE = 16

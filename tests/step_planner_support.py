@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 from fake_worker import EOS, VOCAB, FakeWorker
 
-from actorserve.actors.block_pool import BlockPool
-from actorserve.actors.config import EngineConfig, ModelFacts
-from actorserve.actors.step_planner import StepPlanner
+from actorserve.actors.block_manager.block_pool import BlockPool
+from actorserve.actors.runtime.config import EngineConfig
+from actorserve.actors.runtime.model_config import ModelFacts
+from actorserve.actors.scheduler.step_planner import StepPlanner
 from actorserve.messages.blocks import AllocateStep, Allocation, FreeBlocks
 from actorserve.messages.common import FinishReason, OutputKind, SamplingParams
 from actorserve.messages.step import AbortRequests, AddRequest, StepPlan, StepResult, TokensOut

@@ -21,7 +21,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from actorserve.actors.config import EngineConfig
+from actorserve.actors.runtime.config import EngineConfig
 from actorserve.actors.worker.kv_cache import KVCache
 from actorserve.actors.worker.loader import load_model
 from actorserve.actors.worker.runner import ModelRunner

@@ -136,10 +136,10 @@ def test_worker_warm_up_covers_attention_store_and_elementwise_kernels(monkeypat
     """What the Worker runs at start on CUDA, here under the interpreter for tiny-qwen3 (fp32):
     the attention variants as above, and RMSNorm with and without the residual, SiLU x up and
     the q/k norm + rope, each launched once."""
-    from actorserve.actors.model_config import ModelConfig
-    from actorserve.checkpoints import ensure_checkpoint
+    from actorserve.actors.runtime.model_config import ModelConfig
     from actorserve.kernels import elementwise_triton
     from actorserve.kernels.triton_warm_up import warm_up_triton
+    from actorserve.weights.checkpoints import ensure_checkpoint
 
     names = ("_rms_norm_kernel", "_silu_mul_kernel", "_qk_norm_rope_kernel")
     recorders = {name: LaunchRecorder(getattr(elementwise_triton, name)) for name in names}

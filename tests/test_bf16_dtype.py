@@ -11,16 +11,16 @@ import pytest
 import torch
 from torch import nn
 
-from actorserve.actors.config import EngineConfig
+from actorserve.actors.runtime.config import EngineConfig
 from actorserve.actors.worker import dtypes
 from actorserve.actors.worker.loader import load_model
 from actorserve.actors.worker.worker import build_runner
-from actorserve.checkpoints import ensure_checkpoint
 from actorserve.kernels import attention_ops
 from actorserve.kernels.cpu import bindings, capability
 from actorserve.kernels.cpu.elementwise import C_ELEMENTWISE
 from actorserve.kernels.cpu.fast_path import CpuFastPath
 from actorserve.kernels.cpu.panels import PackedLinear
+from actorserve.weights.checkpoints import ensure_checkpoint
 from model_support import PagedCache, bf16_model, random_prompt, torch_threads
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from actorserve.checkpoints import ensure_checkpoint
 from actorserve.gateway.client import AsyncClient
 from actorserve.kernels.cpu.capability import cpu_has_bf16
 from actorserve.messages.common import SamplingParams
+from actorserve.weights.checkpoints import ensure_checkpoint
 from support import (
     PROMPT_LENGTHS,
     EngineServer,

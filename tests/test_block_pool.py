@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actorserve.actors.block_pool import BlockPool
+from actorserve.actors.block_manager.block_pool import BlockPool
 from actorserve.messages.blocks import BlockNeed
 
 BS = 16

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from actorserve import checkpoints
-from actorserve.checkpoints import ensure_checkpoint
+from actorserve.weights import checkpoints
+from actorserve.weights.checkpoints import ensure_checkpoint
 
 TEXTS = [
     "Hello, world!",
@@ -125,7 +125,14 @@ def test_chat_template_renders(hf_tokenizer):
 
 def test_cli_prints_the_path(tiny_llama):
     out = subprocess.run(
-        [sys.executable, "-m", "actorserve.checkpoints", "tiny-llama", "--root", tiny_llama.parent],
+        [
+            sys.executable,
+            "-m",
+            "actorserve.weights.checkpoints",
+            "tiny-llama",
+            "--root",
+            tiny_llama.parent,
+        ],
         check=True,
         capture_output=True,
         text=True,

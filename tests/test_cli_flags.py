@@ -9,11 +9,12 @@ import msgspec
 import msgspec.inspect as mi
 import pytest
 
-from actorserve import cli
-from actorserve.actors.config import EngineConfig, ModelFacts
-from actorserve.config_flags import NOT_A_FLAG, flag_specs
+from actorserve.actors.runtime.config import EngineConfig
+from actorserve.actors.runtime.model_config import ModelFacts
+from actorserve.cli import main as cli
+from actorserve.cli.flags import NOT_A_FLAG, flag_specs
+from actorserve.cli.serve import gateway_settings
 from actorserve.gateway.service import GatewaySettings
-from actorserve.serve import gateway_settings
 
 
 def fields_of(struct: type[msgspec.Struct]) -> dict[str, mi.Metadata]:

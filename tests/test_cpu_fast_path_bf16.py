@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actorserve.actors.config import EngineConfig
+from actorserve.actors.runtime.config import EngineConfig
 from actorserve.actors.worker.worker import build_runner
-from actorserve.checkpoints import ensure_checkpoint
 from actorserve.kernels.cpu import bindings, capability
 from actorserve.kernels.cpu.fast_path import CpuFastPath
 from actorserve.kernels.cpu.panels import GreedyHead, PackedLinear
+from actorserve.weights.checkpoints import ensure_checkpoint
 from model_support import PagedCache, bf16_model, random_prompt, torch_threads
 
 KINDS = ["demo-bf16", "tiny-qwen3-bf16"]

@@ -11,9 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from actorserve.actors.model_config import ModelConfig
+from actorserve.actors.runtime.model_config import ModelConfig
 from actorserve.actors.worker.loader import load_model
-from actorserve.checkpoints import ensure_checkpoint
 from actorserve.kernels import attention_ops
 from actorserve.kernels.cpu import bindings
 from actorserve.kernels.cpu.capability import cpu_has_bf16
@@ -22,6 +21,7 @@ from actorserve.kernels.cpu.fast_path import CpuFastPath
 from actorserve.kernels.cpu.panels import GreedyHead, PackedLinear
 from actorserve.kernels.cpu.screened_head import ScreenedGreedyHead
 from actorserve.kernels.cpu.screened_head_int8 import Int8ScreenedHead
+from actorserve.weights.checkpoints import ensure_checkpoint
 from model_support import (
     BLOCK_SIZE,
     PagedCache,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from actorserve.actors.config import EngineConfig
+from actorserve.actors.runtime.config import EngineConfig
 from actorserve.actors.worker.sampler import first_maximum
 from actorserve.actors.worker.worker import build_runner
 from actorserve.kernels.cpu import bindings

@@ -10,9 +10,9 @@ import re
 import pytest
 import torch
 
-from actorserve import checkpoints
-from actorserve.checkpoints import TRAINED_DEMO, TRAINED_DEMO_KIND, ensure_checkpoint
 from actorserve.messages.common import SamplingParams
+from actorserve.weights import checkpoints
+from actorserve.weights.checkpoints import TRAINED_DEMO, TRAINED_DEMO_KIND, ensure_checkpoint
 from support import EngineServer
 
 HELD_OUT_WINDOWS, WINDOW_TOKENS = 8, 512

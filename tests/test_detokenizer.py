@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actorserve.actors.detokenizer import (
+from actorserve.actors.engine.detokenizer import (
     IncrementalDetokenizer,
     StreamDetokenizer,
     incremental_detokenizer,

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from actorserve.actors.worker.logprobs import start_sample_logprobs
-from actorserve.actors.worker.sampler import Sampler, SampleRow
+from actorserve.actors.worker.sample_row import SampleRow
+from actorserve.actors.worker.sampler import Sampler
 from actorserve.messages.common import SamplingParams
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"

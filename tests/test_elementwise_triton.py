@@ -187,7 +187,7 @@ def greedy_run(model, config, steps: int) -> tuple[dict[str, list[int]], torch.T
 @pytest.mark.parametrize("kind", ["tiny-qwen3", "tiny-llama"])
 def test_model_with_triton_elementwise_gives_torchs_greedy_tokens(kind):
     """Attention is the reference's in both, so the elementwise steps are all that differ."""
-    from actorserve.checkpoints import ensure_checkpoint
+    from actorserve.weights.checkpoints import ensure_checkpoint
 
     path = ensure_checkpoint(kind)
     ops = attention_ops(DEVICE, "reference")
@@ -207,7 +207,7 @@ def test_model_as_the_worker_builds_it_on_cuda_matches_transformers():
     tests/test_model.py, logits within its tolerance and the same greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    from actorserve.checkpoints import ensure_checkpoint
+    from actorserve.weights.checkpoints import ensure_checkpoint
     from model_support import check_chunked_prefill_then_decode
 
     path = ensure_checkpoint("tiny-qwen3")

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from actorserve.actors.config import EngineConfig
+from actorserve.actors.runtime.config import EngineConfig
 from actorserve.actors.worker.kv_cache import KVCache
 from actorserve.actors.worker.sizing import (
     GIB,

@@ -8,15 +8,12 @@ import json
 import pytest
 import torch
 
-from actorserve.actors.config import ModelFacts
-from actorserve.actors.grammar_gate import GrammarGate
+from actorserve.actors.runtime.model_config import ModelFacts
+from actorserve.actors.scheduler.grammar_gate import GrammarGate
 from actorserve.actors.worker.grammar_cache import GrammarCache
-from actorserve.actors.worker.grammar_state import (
-    GrammarState,
-    advance_grammars,
-    mask_grammar_rows,
-)
-from actorserve.actors.worker.sampler import SampleRow
+from actorserve.actors.worker.grammar_masks import advance_grammars, mask_grammar_rows
+from actorserve.actors.worker.grammar_state import GrammarState
+from actorserve.actors.worker.sample_row import SampleRow
 from actorserve.messages.common import SamplingParams
 from actorserve.messages.step import AddRequest
 from actorserve.messages.structured import GrammarReady, StructuredKind, StructuredOutput

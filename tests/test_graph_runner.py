@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from actorserve.actors.config import EngineConfig
+from actorserve.actors.runtime.config import EngineConfig
 from actorserve.actors.worker.block_tables import BlockTables
 from actorserve.actors.worker.flat_step import flat_step
 from actorserve.actors.worker.graph_runner import DecodeGraphs, graph_batch_sizes

@@ -7,7 +7,7 @@ import threading
 
 import zmq
 
-from actorserve.actors.runtime import LoopSocket
+from actorserve.actors.runtime.actor import LoopSocket
 
 
 def _pair(ctx: zmq.Context, kind_in: int, kind_out: int, name: str):

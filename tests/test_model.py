@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from actorserve.actors.model_config import ModelConfig, RopeScaling
+from actorserve.actors.runtime.model_config import ModelConfig, RopeScaling
 from actorserve.actors.worker.loader import load_model
-from actorserve.checkpoints import ensure_checkpoint
 from actorserve.kernels import attention_ops
+from actorserve.weights.checkpoints import ensure_checkpoint
 from model_support import (
     PagedCache,
     assert_close,

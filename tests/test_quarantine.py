@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from actorserve.actors.quarantine import Quarantine
+from actorserve.actors.engine.quarantine import Quarantine
 from actorserve.gateway.client import AsyncClient
 from actorserve.gateway.errors import EngineError
 from actorserve.messages.common import SamplingParams

@@ -1,19 +1,20 @@
 """What `actorserve serve --role ...` accepts, without starting anything: each replica's CurveZMQ
-keys from the gateway's flags (replica_keys.py), and the flags each role refuses, every error
-naming its flag."""
+keys from the gateway's flags (gateway/replica_keys.py), and the flags each role refuses, every
+error naming its flag."""
 
 from __future__ import annotations
 
 import pytest
 
-from actorserve import cli
-from actorserve.actors.config import EngineConfig, ModelFacts
-from actorserve.config_flags import given_values
+from actorserve.actors.runtime.config import EngineConfig
+from actorserve.actors.runtime.model_config import ModelFacts
+from actorserve.cli import main as cli
+from actorserve.cli.flags import given_values
+from actorserve.cli.serve import check_role, gateway_settings, replica_config
 from actorserve.gateway.curve_keys import ClientKeys, load_client_keys, load_server_public_key
 from actorserve.gateway.curve_keys import write_keys as write_key_files
+from actorserve.gateway.replica_keys import replica_keys
 from actorserve.gateway.service import GatewaySettings
-from actorserve.replica_keys import replica_keys
-from actorserve.serve import check_role, gateway_settings, replica_config
 
 B, C = "tcp://10.0.0.2:5555", "tcp://10.0.0.3:5555"
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from actorserve.actors.worker.sampler import Sampler, SampleRow, is_plain_greedy
+from actorserve.actors.worker.sample_row import SampleRow, is_plain_greedy
+from actorserve.actors.worker.sampler import Sampler
 from actorserve.messages.common import SamplingParams
 
 

@@ -19,7 +19,8 @@ from websockets.asyncio.client import connect
 
 from actorserve.actors.worker.logits_processors import apply_logits_processors
 from actorserve.actors.worker.logprobs import start_sample_logprobs
-from actorserve.actors.worker.sampler import Sampler, SampleRow
+from actorserve.actors.worker.sample_row import SampleRow
+from actorserve.actors.worker.sampler import Sampler
 from actorserve.gateway.client import AsyncClient
 from actorserve.messages.common import SamplingParams
 from support import hf_greedy, hf_model, prompts_of_lengths

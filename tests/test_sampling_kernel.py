@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from actorserve.actors.worker.sampler import Sampler, SampleRow
+from actorserve.actors.worker.sample_row import SampleRow
+from actorserve.actors.worker.sampler import Sampler
 from actorserve.actors.worker.token_readback import TokenReadback
 from actorserve.kernels.sampling import draw_backend, gumbel_argmax, gumbel_argmax_triton
 from actorserve.kernels.sampling_triton import exponential_of_uniform, philox_bits

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import torch
 
-from actorserve.actors.config import EngineConfig
+from actorserve.actors.runtime.config import EngineConfig
 from actorserve.actors.worker.block_tables import BlockTables
 from actorserve.actors.worker.worker import build_runner
 from actorserve.messages.common import SamplingParams

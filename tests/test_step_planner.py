@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from step_planner_support import PREFIXES, Simulation, Spec, final_only, planner_config
 
-from actorserve.actors.block_pool import BlockPool
-from actorserve.actors.step_planner import StepPlanner
+from actorserve.actors.block_manager.block_pool import BlockPool
+from actorserve.actors.scheduler.step_planner import StepPlanner
 from actorserve.messages.blocks import AllocateStep
 from actorserve.messages.common import SamplingParams
 from actorserve.messages.step import AbortRequests, AddRequest, StepPlan, StepResult

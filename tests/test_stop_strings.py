@@ -3,7 +3,7 @@ character of a possible stop string is sent before it is ruled out."""
 
 from __future__ import annotations
 
-from actorserve.actors.stop_strings import StopStrings
+from actorserve.actors.engine.stop_strings import StopStrings
 
 
 def feed_all(stops, pieces, include=False):

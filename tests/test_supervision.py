@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from actorserve import cli
-from actorserve.actors.config import WORKER_STEPS, EngineConfig
-from actorserve.actors.supervisor import BackgroundSupervisor
+from actorserve.actors.runtime.addresses import WORKER_STEPS
+from actorserve.actors.runtime.config import EngineConfig
+from actorserve.actors.supervisor.background import BackgroundSupervisor
+from actorserve.cli import main as cli
 from actorserve.gateway.client import AsyncClient, Client
 from actorserve.gateway.errors import EngineError
 from actorserve.messages.blocks import AllocateStep, BlockNeed

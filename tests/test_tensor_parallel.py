@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from actorserve.actors.config import EngineConfig
+from actorserve.actors.runtime.config import EngineConfig
 from actorserve.actors.worker.tp_group import rank_device
 from actorserve.gateway.client import AsyncClient
 from actorserve.messages.common import SamplingParams

@@ -1,4 +1,4 @@
-"""The tensor-parallel model (actors/worker/models/sharding.py, parallel.py): which slices each
+"""The tensor-parallel model (actors/runtime/sharding.py, parallel.py): which slices each
 rank holds, checked in-process; and two real ranks on gloo (tensor_parallel_support.py, one
 torch thread each) whose logits are TP=1's and whose runner samples TP=1's and transformers'
 tokens, the same on both ranks, through chunked prefill and a recompute preemption. tiny-llama
@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import save_file
 from tensor_parallel_support import RankJob, RunnerRequest, run_in_process, run_ranks
 
-from actorserve.actors.model_config import ModelConfig
+from actorserve.actors.runtime.model_config import ModelConfig
+from actorserve.actors.runtime.sharding import ShardLayout, TensorSlice
 from actorserve.actors.worker.loader import load_model
 from actorserve.actors.worker.models.parallel import global_best, local_best
-from actorserve.actors.worker.models.sharding import ShardLayout, TensorSlice
 from actorserve.actors.worker.tensor_parallel import TensorParallel
 from actorserve.kernels import attention_ops
 from actorserve.messages.common import SamplingParams
@@ -178,7 +178,8 @@ def test_a_rank_loads_exactly_its_slices_of_the_checkpoint(qwen3_dir):
 
 def synthetic_llama(path: Path) -> Path:
     """A 1-layer Llama with q/k/v and o biases (attention_bias), 4 query and 2 KV heads, and a
-    vocabulary of 1001: odd, so two ranks pad it. Random weights as checkpoints.py sizes them."""
+    vocabulary of 1001: odd, so two ranks pad it. Random weights as weights/checkpoints.py sizes
+    them."""
     hidden, inter, heads, kv_heads, d, vocab = 64, 96, 4, 2, 16, 1001
     hf = dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab,

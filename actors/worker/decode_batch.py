@@ -20,8 +20,8 @@ import torch
 if TYPE_CHECKING:
     from ...kernels.cpu.decode_inputs import DecodeInputs
     from ...kernels.cpu.fast_path import CpuFastPath
-    from .runner import CachedRequest
-    from .sampler import SampleRow
+    from .cached_request import CachedRequest
+    from .sample_row import SampleRow
 
 
 @dataclass

@@ -20,8 +20,8 @@ from .decode_batch import sample_rows_of
 from .models.llama import AttentionMetadata
 
 if TYPE_CHECKING:
-    from .runner import CachedRequest
-    from .sampler import SampleRow
+    from .cached_request import CachedRequest
+    from .sample_row import SampleRow
 
 
 class StepTensors(NamedTuple):

@@ -6,9 +6,9 @@ grammar (for every grammar state, the tokens that may follow) is large: shipping
 Engine with each request would cost more than compiling it once here. Why a thread: a compile
 takes many steps' time, and xgrammar releases the GIL while it compiles, so the forward thread's
 steps go on meanwhile. The Scheduler asks for a grammar (CompileGrammar) before it plans the
-request and plans it once the answer came (actors/grammar_gate.py), so a step normally finds the
-grammar compiled; `get` waits for it only where the Scheduler's gate let a request through whose
-grammar this cache has since evicted (and says so in the log).
+request and plans it once the answer came (actors/scheduler/grammar_gate.py), so a step
+normally finds the grammar compiled; `get` waits for it only where the Scheduler's gate let a
+request through whose grammar this cache has since evicted (and says so in the log).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ...messages.structured import StructuredOutput
-from .. import grammars
+from ..runtime import grammars
 
 log = logging.getLogger("worker")
 

@@ -20,9 +20,9 @@ from safetensors import safe_open
 from actorserve.kernels import AttentionOps
 from actorserve.kernels.elementwise import TORCH_ELEMENTWISE, ElementwiseOps
 
-from ..model_config import ModelConfig
+from ..runtime.model_config import ModelConfig
+from ..runtime.sharding import ShardLayout, TensorSlice
 from .models.llama import CausalLM
-from .models.sharding import ShardLayout, TensorSlice
 from .tensor_parallel import TensorParallel
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .penalty_history import PenaltyHistory
+
 if TYPE_CHECKING:
-    from .sampler import SampleRow
+    from .sample_row import SampleRow
 
 
 def apply_logits_processors(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
@@ -39,7 +41,7 @@ def apply_logits_processors(logits: torch.Tensor, rows: Sequence[SampleRow]) -> 
     if any(p.logit_bias for p in params):
         sub = apply_logit_bias(sub, [p.logit_bias for p in params])
     if any(p.penalises for p in params):
-        histories = [PenaltyHistory.of(rows[i]) for i in picked]
+        histories = [penalty_history(rows[i]) for i in picked]
         sub = apply_penalties(
             sub,
             histories,
@@ -68,40 +70,18 @@ def apply_logit_bias(logits: torch.Tensor, biases: Sequence[dict[int, float]]) -
     return logits
 
 
-class PenaltyHistory:
-    """One request's tokens as its penalties read them: the distinct prompt tokens, and how many
-    times each output token occurs. Held by the request's SampleRow from step to step; each step
-    counts only the output tokens sampled since the last (token_ids only ever grow)."""
-
-    __slots__ = ("split", "prompt_tokens", "counts", "num_counted")
-
-    def __init__(self, token_ids: Sequence[int], split: int):
-        self.split = split  # prompt | output in token_ids
-        self.prompt_tokens = np.unique(np.fromiter(token_ids[:split], np.int64, split))
-        self.counts: dict[int, int] = {}
-        self.num_counted = 0  # output tokens counted so far
-
-    @classmethod
-    def of(cls, row: SampleRow) -> PenaltyHistory:
-        """The row's history brought up to its `position` (made on its first step)."""
-        tokens = row.token_ids or ()
-        split = row.position - row.num_output
-        history = row.penalty_history
-        if history is None or history.split != split or history.num_counted > row.num_output:
-            history = row.penalty_history = cls(tokens, split)
-        counts = history.counts
-        for token in tokens[split + history.num_counted : row.position]:
-            counts[token] = counts.get(token, 0) + 1
-        history.num_counted = row.num_output
-        return history
-
-    def output_tokens(self) -> tuple[np.ndarray, np.ndarray]:
-        """(distinct output tokens int64, their counts float32)."""
-        n = len(self.counts)
-        return (
-            np.fromiter(self.counts.keys(), np.int64, n),
-            np.fromiter(self.counts.values(), np.float32, n),
-        )
+def penalty_history(row: SampleRow) -> PenaltyHistory:
+    """The row's history brought up to its `position` (made on its first step)."""
+    tokens = row.token_ids or ()
+    split = row.position - row.num_output
+    history = row.penalty_history
+    if history is None or history.split != split or history.num_counted > row.num_output:
+        history = row.penalty_history = PenaltyHistory(tokens, split)
+    counts = history.counts
+    for token in tokens[split + history.num_counted : row.position]:
+        counts[token] = counts.get(token, 0) + 1
+    history.num_counted = row.num_output
+    return history
 
 
 def apply_penalties(

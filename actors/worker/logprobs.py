@@ -21,8 +21,8 @@ from ...messages.common import TokenLogprobs
 from ...messages.step import NewRequest, PromptLogprobs
 
 if TYPE_CHECKING:
-    from .runner import CachedRequest
-    from .sampler import SampleRow
+    from .cached_request import CachedRequest
+    from .sample_row import SampleRow
 
 PROMPT_ROWS_PER_CHUNK = 512  # rows of [rows, vocab] logits at once (memory bound)
 

@@ -30,57 +30,32 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from ...messages.step import NewRequest, StepPlan, StepResult
-from ..config import EngineConfig
-from ..step_trace import open_trace
+from ...messages.step import StepPlan, StepResult
+from ..runtime.config import EngineConfig
+from ..runtime.step_trace import open_trace
 from .block_tables import BlockTables
+from .cached_request import CachedRequest
 from .decode_batch import DecodeBatch
 from .flat_step import FlatStep, flat_step, past_blocks
 from .grammar_cache import GrammarCache
-from .grammar_state import GrammarState, advance_grammars, mask_grammar_rows
+from .grammar_state import GrammarState
 from .graph_runner import DecodeGraphs, graph_batch_sizes
 from .kv_cache import KVCache
-from .logprobs import PromptLogprobsTracker, start_sample_logprobs
+from .logprobs import PromptLogprobsTracker
 from .models.llama import AttentionMetadata
-from .sampler import Sampler, SampleRow, is_plain_greedy
+from .sample_row import SampleRow
+from .sampler import Sampler
 from .step_buffers import StepBuffers
+from .step_inputs import StepInputs
+from .step_sampling import StepSampler
 from .tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
     from ...kernels.cpu.fast_path import CpuFastPath
-
-
-@dataclass
-class CachedRequest:
-    """One request in the persistent batch. Its block table is row `row` of the runner's
-    BlockTables, `num_blocks` long; `sample_row` is reused by every step that samples for it."""
-
-    token_ids: list[int]
-    num_prompt_tokens: int
-    num_computed: int
-    row: int
-    num_blocks: int
-    new: NewRequest  # the params and identity as first received
-    sample_row: SampleRow
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_index: torch.Tensor | None  # rows of the hidden states that sample; None: all
-    sample_ids: list[str]
-    sample_rows: list[SampleRow]
-    requests: list[CachedRequest]  # the scheduled ones, in the step's order
-    sample_requests: list[CachedRequest]  # those that sample, in sample_ids' order
-    decodes: DecodeBatch | None = None  # a step of decodes: its numbers, for the next step
-    decode_graph: int | None = None  # the captured batch size whose graph runs the step
 
 
 class ModelRunner:
@@ -118,6 +93,7 @@ class ModelRunner:
             self.sampler = Sampler(config.seed, device=device)
         else:
             self.sampler = Sampler(config.seed, fast_path.argmax_rows, device)
+        self.step_sampler = StepSampler(self.sampler, self.compute_logits, self.greedy_tokens)
         self.prompt_logprobs = PromptLogprobsTracker()  # requests owing prompt logprobs
         self.grammars = GrammarCache(
             config.model, config.facts.vocab_size, self.eos_token_ids, config.structured_cache_size
@@ -292,7 +268,9 @@ class ModelRunner:
             prepared = self._clock()
             hidden = self._forward(inputs)
             forwarded = self._clock()
-            tokens, token_tensor, logprobs, logits_done = self._sample(hidden, inputs, forwarded)
+            tokens, token_tensor, logprobs, logits_done = self.step_sampler.sample(
+                hidden, inputs, forwarded, self._clock
+            )
             prompt_logprobs = self.prompt_logprobs.compute(
                 self.compute_logits, hidden, scheduled, self.requests
             )
@@ -326,56 +304,6 @@ class ModelRunner:
         args = (inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         hidden = None if self.fast_path is None else self.fast_path.forward(*args)
         return self.model(*args) if hidden is None else hidden
-
-    def _sample(self, hidden: torch.Tensor, inputs: StepInputs, forwarded: float | None):
-        """-> the sampling rows' tokens, the same as a tensor where the LM head picked them all
-        (else None), their logprobs ([] when none asked), and (tracing) when the LM head was
-        done.
-
-        Rows that are plain greedy get their tokens from the LM head itself (greedy_tokens,
-        where one serves) and make no logits; the others go through the logits and the sampler,
-        on their own rows."""
-        rows = inputs.sample_rows
-        if not rows:
-            return [], None, [], forwarded
-        index = inputs.sample_index
-        sampled = hidden if index is None else hidden.index_select(0, index)
-        if inputs.decodes is not None and not inputs.decodes.rows_read_positions:
-            plain = range(len(rows))  # every row plain greedy from its first token
-        else:
-            plain = [i for i, row in enumerate(rows) if is_plain_greedy(row)]
-        every_plain = len(plain) == len(rows)
-        fused = None
-        if plain and self.greedy_tokens is not None:
-            fused = self.greedy_tokens(sampled if every_plain else sampled[plain])
-        if fused is None:  # no plain row, or no fused head on this device
-            plain = []
-        elif every_plain:
-            return fused.tolist(), fused, [], self._clock()
-        taken = set(plain)
-        other = [i for i in range(len(rows)) if i not in taken]
-        tokens = [0] * len(rows)
-        for i, token in zip(plain, fused.tolist() if plain else []):
-            tokens[i] = token
-        logits_done, logprobs = self._clock(), []
-        if other:
-            other_rows = [rows[i] for i in other]
-            logits = self.compute_logits(sampled[other])
-            logits_done = self._clock()
-            if any(row.grammar is not None for row in other_rows):
-                logits = logits.float()  # masked in place (the sampler's dtype anyway)
-            constrained = mask_grammar_rows(logits, other_rows)
-            pending = start_sample_logprobs(logits, other_rows)  # raw (but masked) distribution
-            sampled_tokens = self.sampler.sample(logits, other_rows)  # on its way to the host
-            if pending is not None:  # their entries from the tokens on the device
-                logprobs = [None] * len(rows)
-                for i, entry in zip(other, pending.finish(sampled_tokens.device)):
-                    logprobs[i] = entry
-            some = sampled_tokens.tolist()
-            advance_grammars(other_rows, some, constrained)
-            for i, token in zip(other, some):
-                tokens[i] = token
-        return tokens, None, logprobs, logits_done
 
     def _clock(self) -> float | None:
         """perf_counter when tracing (after the device caught up), else None."""

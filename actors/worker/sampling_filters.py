@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .sampler import SampleRow
+    from .sample_row import SampleRow
 
 
 def filtered_logits(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:

@@ -21,7 +21,7 @@ import math
 import msgspec
 import torch
 
-from ..config import EngineConfig
+from ..runtime.config import EngineConfig
 from .kv_cache import KVCache
 from .models.llama import AttentionMetadata
 

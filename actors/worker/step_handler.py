@@ -20,8 +20,8 @@ from ...messages.codec import DecodeError, Decoder, WorkerStepsInbox
 from ...messages.control import Reset, Stop
 from ...messages.step import StepPlan, StepResult
 from ...messages.structured import CompileGrammar, GrammarReady
-from ..config import EngineConfig
-from ..step_trace import open_trace
+from ..runtime.config import EngineConfig
+from ..runtime.step_trace import open_trace
 from .tp_group import GROUP_BROKEN
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..runtime import configure_logging
+from ..runtime.actor import configure_logging
 from .tp_group import GROUP_BROKEN, FollowerSpec, die_with_parent
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import msgspec
 
-from ..config import EngineConfig
+from ..runtime.config import EngineConfig
 
 log = logging.getLogger("worker")
 

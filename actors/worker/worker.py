@@ -37,8 +37,9 @@ from ...messages.codec import WorkerInbox, encode
 from ...messages.control import Ready, Stop
 from ...messages.step import StepResult
 from ...messages.structured import GrammarReady
-from ..config import WORKER_STEPS, EngineConfig
-from ..runtime import Actor, actor_main
+from ..runtime.actor import Actor, actor_main
+from ..runtime.addresses import WORKER_STEPS
+from ..runtime.config import EngineConfig
 from .step_handler import StepHandler
 from .tp_group import GROUP_BROKEN, FollowerGroup, join_group, rank_device
 
@@ -56,7 +57,7 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None):
     import torch
 
     from ...kernels.cpu.fast_path import CpuFastPath
-    from ..model_config import ModelConfig
+    from ..runtime.model_config import ModelConfig
     from . import dtypes
     from .kv_cache import KVCache
     from .loader import load_model

@@ -26,10 +26,10 @@ from torch import nn
 from actorserve.kernels import AttentionOps
 from actorserve.kernels.elementwise import TORCH_ELEMENTWISE, ElementwiseOps
 
-from ...model_config import ModelConfig, RopeScaling
+from ...runtime.model_config import ModelConfig, RopeScaling
+from ...runtime.sharding import ShardLayout
 from ..tensor_parallel import TensorParallel
 from .parallel import gathered_logits, greedy_ids, row_parallel, vocab_parallel_embedding
-from .sharding import ShardLayout
 
 
 class AttentionMetadata(NamedTuple):

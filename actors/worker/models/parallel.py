@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...runtime.sharding import ShardLayout
 from ..tensor_parallel import TensorParallel
-from .sharding import ShardLayout
 
 
 def row_parallel(linear: nn.Linear, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -1,0 +1,373 @@
+"""One place for the engine's settings (the actors' addresses are in addresses.py, the checkpoint's
+facts in model_config.py).
+
+The supervisor builds an `EngineConfig` from the user's flags, resolves what depends on the
+checkpoint (`ModelFacts`), on the Worker's device (`max_num_seqs`, `torch_threads`: see
+`resolve_device`) and on its memory measurement (`num_kv_blocks`), and hands the resolved config
+to every actor it starts after the Worker.
+
+Each field says what it is in its `Meta(description=...)`: `actorserve serve --help` shows that
+text, and the flag (`--block-size` for `block_size`) is generated from the field (cli/flags.py).
+A field marked `extra=NOT_A_FLAG` is resolved by the engine, not set by the user.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Literal, get_args
+
+import msgspec
+from msgspec import Meta
+
+from .addresses import Addresses
+from .model_config import ModelConfig, ModelFacts
+from .sharding import ShardLayout
+
+NOT_A_FLAG = {"flag": False}  # Meta.extra of a field the program resolves, not a user setting
+
+PreemptionMode = Literal["recompute", "swap"]
+VictimPolicy = Literal["fewest_computed", "last_admitted"]
+GreedyHeadScreen = Literal["auto", "int8", "bf16", "off"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+KvCacheDtype = Literal["auto", "bfloat16", "float32"]
+# max_num_seqs unset: a GPU step reads each weight once whatever the batch; CPU GEMMs grow with it
+DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
+# torch_threads unset on CUDA: the host thread only launches kernels; more take others' cores
+CUDA_TORCH_THREADS = 1
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The engine's settings (each a flag of `actorserve serve` unless marked NOT_A_FLAG) and
+    what the supervisor resolves before it starts the actors (facts, addresses, block counts)."""
+
+    model: Annotated[str, Meta(description="Hugging Face checkpoint directory")]
+    # The KV cache and the step's budgets
+    block_size: Annotated[int, Meta(description="tokens per KV cache block: 8, 16, 32 or 64")] = 16
+    num_kv_blocks: Annotated[
+        int | None, Meta(description="KV cache blocks; unset: measured from kv_cache_memory_gb")
+    ] = None
+    kv_cache_memory_gb: Annotated[
+        float | None,
+        Meta(
+            description="KV cache size; unset: 1 GiB on CPU (at most a quarter of the free "
+            "memory), on CUDA what gpu_memory_utilization leaves after a profiling step"
+        ),
+    ] = None
+    max_num_seqs: Annotated[
+        int | None,
+        Meta(
+            description="sequences running in one step; unset: 256 on CUDA, 64 on CPU (at most "
+            "max_num_batched_tokens)"
+        ),
+    ] = None
+    max_num_batched_tokens: Annotated[
+        int, Meta(description="tokens in one step (prefill chunks and decodes together)")
+    ] = 2048
+    max_model_len: Annotated[
+        int | None,
+        Meta(description="longest sequence (prompt + output); unset: the model's maximum"),
+    ] = None
+    max_live_requests: Annotated[
+        int, Meta(description="requests in the engine at once; over it, `overloaded` errors")
+    ] = 1024
+    # Limits on what one client message may ask (errors name the field and the limit)
+    max_client_message_bytes: Annotated[
+        int, Meta(description="largest client message (ZMQ_MAXMSGSIZE of the client socket)")
+    ] = 16 << 20
+    max_request_output_tokens: Annotated[
+        int, Meta(description="n x max_tokens of one request: the tokens it may generate")
+    ] = 1 << 18
+    max_logprob_entries: Annotated[
+        int, Meta(description="logprobs (+ prompt_logprobs) entries of one request")
+    ] = 1 << 20
+    max_structured_chars: Annotated[
+        int, Meta(description="characters of a structured output's schema, regex or grammar")
+    ] = 1 << 16
+    structured_cache_size: Annotated[
+        int, Meta(description="compiled grammars the Worker keeps (LRU), one per schema text")
+    ] = 64
+    priority_min: Annotated[
+        int, Meta(description="lowest priority a client may ask (lower runs first)")
+    ] = 0
+    priority_max: Annotated[
+        int,
+        Meta(
+            description="highest priority a client may ask; none jumps ahead of 0 unless "
+            "priority_min is lowered"
+        ),
+    ] = 1 << 20
+    client_queue_messages: Annotated[
+        int, Meta(description="replies queued for one client before they wait")
+    ] = 10_000
+    client_lease_s: Annotated[
+        float, Meta(description="a client silent this long has its requests aborted")
+    ] = 30.0
+    poison_crashes: Annotated[
+        int, Meta(description="a request in flight at this many crashes of an actor is failed")
+    ] = 2
+    fault_crash_on_token_id: Annotated[
+        int | None, Meta(description="tests only: the Worker dies on a step plan with this token")
+    ] = None
+    # Scheduling
+    enable_prefix_caching: Annotated[
+        bool, Meta(description="reuse the KV blocks of a prompt prefix already computed")
+    ] = True
+    preemption_mode: Annotated[
+        PreemptionMode,
+        Meta(
+            description="what a preempted request keeps: recompute (nothing) or swap (its KV, "
+            "moved to a CPU block pool and back)"
+        ),
+    ] = "recompute"
+    preemption_victim: Annotated[
+        VictimPolicy, Meta(description="which running request is preempted first")
+    ] = "fewest_computed"
+    async_scheduling: Annotated[
+        bool, Meta(description="plan step N+1 while the Worker runs step N")
+    ] = True
+    final_only_flush_s: Annotated[
+        float, Meta(description="how often held final_only outputs go out while running")
+    ] = 1.0
+    num_cpu_blocks: Annotated[
+        int | None,
+        Meta(
+            description="swap space in blocks (swap mode); unset: swap_space_gb on CUDA, as many "
+            "as the KV cache on CPU"
+        ),
+    ] = None
+    # The Worker's device and kernels
+    device: Annotated[
+        str, Meta(description="torch device (cpu, cuda, cuda:1); auto: cuda if there is one")
+    ] = "auto"
+    dtype: Annotated[
+        Dtype,
+        Meta(
+            description="weights and activations; auto: the checkpoint's where the device runs "
+            "it natively (CUDA; a CPU with AMX-BF16 or AVX512-BF16), else float32"
+        ),
+    ] = "auto"
+    kv_cache_dtype: Annotated[
+        KvCacheDtype, Meta(description="the KV cache's dtype; auto: the model's (dtype)")
+    ] = "auto"
+    attention_backend: Annotated[
+        str,
+        Meta(
+            description="auto (triton on CUDA, cpu elsewhere), cpu, reference or triton "
+            "(kernels/__init__.py)"
+        ),
+    ] = "auto"
+    torch_threads: Annotated[
+        int | None,
+        Meta(
+            description="each Worker rank's torch threads; unset: 1 on CUDA, else the cores "
+            "shared out among the data_parallel_size replicas' tensor_parallel_size ranks (1 "
+            "at least)"
+        ),
+    ] = None
+    data_parallel_size: Annotated[
+        int, Meta(description="`serve`: engine stacks, one gateway routing across them")
+    ] = 1
+    tensor_parallel_size: Annotated[
+        int,
+        Meta(
+            description="Worker ranks sharing the model, rank r on cuda:r; on CPU above 1: "
+            "cpu_fast_path off, the cores shared out among the ranks (torch_threads)"
+        ),
+    ] = 1
+    # CUDA only
+    enforce_eager: Annotated[
+        bool, Meta(description="CUDA: run every step eagerly (no CUDA graphs for decode)")
+    ] = False
+    gpu_memory_utilization: Annotated[
+        float,
+        Meta(
+            description="CUDA: the share of the device's memory the Worker may use (weights, "
+            "activations at the largest step, KV cache)"
+        ),
+    ] = 0.9
+    swap_space_gb: Annotated[
+        float,
+        Meta(description="CUDA: pinned host memory for swapped-out KV blocks (swap preemption)"),
+    ] = 4.0
+    # An OpenMP thread that spins long for its next region keeps a core that another process on
+    # the machine (a load generator, the gateway) needs, and the step then waits for that
+    # process's time slice: a short spin keeps back-to-back regions fast and yields the core.
+    omp_spin_count: Annotated[
+        int,
+        Meta(
+            description="spin iterations of the Worker's OpenMP threads before they sleep "
+            "(libgomp's GOMP_SPINCOUNT); short keeps a shared machine from stalling"
+        ),
+    ] = 1000
+    # The CPU fast path (kernels/cpu/: C kernels over the paged cache, packed weights, the fused
+    # decode stack and greedy heads); off: plain torch, the same tokens.
+    cpu_fast_path: Annotated[
+        bool, Meta(description="the CPU fast path (packed weights, C kernels); off: plain torch")
+    ] = True
+    greedy_head_screen: Annotated[
+        GreedyHeadScreen,
+        Meta(
+            description="the CPU greedy head's cheap first pass over the vocabulary (the tokens "
+            "are exact either way); auto: int8 or bf16 where the CPU has it; off: fp32 alone"
+        ),
+    ] = "auto"
+    transparent_huge_pages: Annotated[
+        bool, Meta(description="advise huge pages on the large CPU weight copies")
+    ] = True
+    step_trace: Annotated[
+        str | None,
+        Meta(description="PATH: write each step's clock times (scripts/bench_overhead.py)"),
+    ] = None
+    # Supervision
+    heartbeat_interval_s: Annotated[
+        float, Meta(description="how often each actor tells the supervisor it is alive")
+    ] = 1.0
+    ready_timeout_s: Annotated[
+        float, Meta(description="an actor not Ready this long after its start fails start-up")
+    ] = 180.0
+    stop_timeout_s: Annotated[
+        float, Meta(description="an actor not gone this long after Stop is killed")
+    ] = 10.0
+    seed: Annotated[int, Meta(description="the sampler's seed for requests without one")] = 0
+    max_restarts: Annotated[
+        int,
+        Meta(
+            description="restarts of one actor within restart_window_s; past it, the engine stops"
+        ),
+    ] = 5
+    restart_window_s: Annotated[float, Meta(description="the window of max_restarts")] = 60.0
+    drain_timeout_s: Annotated[
+        float, Meta(description="on SIGTERM, how long requests in flight may finish")
+    ] = 30.0
+    # CurveZMQ on the client socket (runtime/curve.py has the rules; `actorserve keys` the files)
+    curve_server_key: Annotated[
+        str | None, Meta(description="the server's secret certificate (a 0600 file)")
+    ] = None
+    curve_authorized_clients: Annotated[
+        str | None, Meta(description="directory of client *.key certificates; unset: any client")
+    ] = None
+    insecure_loopback: Annotated[
+        bool, Meta(description="allow tcp:// on a loopback host without CURVE")
+    ] = False
+    # Resolved by the engine, not set by the user
+    epoch: Annotated[
+        int,
+        Meta(
+            description="actors drop stamped messages of other epochs; restarted ones start at -1",
+            extra=NOT_A_FLAG,
+        ),
+    ] = 0
+    curve_gateway_key: Annotated[
+        str | None,
+        Meta(
+            description="the gateway's own CURVE key: see curve.with_own_client", extra=NOT_A_FLAG
+        ),
+    ] = None
+    addresses: Annotated[
+        Addresses | None, Meta(description="the actors' mailboxes", extra=NOT_A_FLAG)
+    ] = None
+    facts: Annotated[
+        ModelFacts | None, Meta(description="read from the checkpoint", extra=NOT_A_FLAG)
+    ] = None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting out of range."""
+
+        def one_of(name: str, choices) -> tuple[str, bool, str]:  # choices: a Literal type
+            return name, getattr(self, name) in get_args(choices), f"one of {get_args(choices)}"
+
+        checks = [
+            ("block_size", self.block_size in (8, 16, 32, 64), "one of 8, 16, 32, 64"),
+            ("max_num_seqs", self.max_num_seqs is None or self.max_num_seqs >= 1, ">= 1"),
+            ("torch_threads", self.torch_threads is None or self.torch_threads >= 1, ">= 1"),
+            ("data_parallel_size", self.data_parallel_size >= 1, ">= 1"),
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1"),
+            ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "in (0, 1]"),
+            ("swap_space_gb", self.swap_space_gb >= 0.0, ">= 0"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
+            ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, ">= 1"),
+            ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, ">= 2"),
+            ("heartbeat_interval_s", self.heartbeat_interval_s > 0, "> 0"),
+            ("omp_spin_count", self.omp_spin_count >= 0, ">= 0"),
+            ("max_client_message_bytes", self.max_client_message_bytes >= 1024, ">= 1024"),
+            ("max_request_output_tokens", self.max_request_output_tokens >= 1, ">= 1"),
+            ("max_logprob_entries", self.max_logprob_entries >= 1, ">= 1"),
+            ("max_structured_chars", self.max_structured_chars >= 1, ">= 1"),
+            ("structured_cache_size", self.structured_cache_size >= 2, ">= 2"),
+            ("priority_max", self.priority_max >= self.priority_min, ">= priority_min"),
+            ("poison_crashes", self.poison_crashes >= 1, ">= 1"),
+            ("client_lease_s", self.client_lease_s > 0, "> 0"),
+            ("client_queue_messages", self.client_queue_messages >= 1, ">= 1"),
+            ("final_only_flush_s", self.final_only_flush_s >= 0, ">= 0"),
+            one_of("preemption_mode", PreemptionMode),
+            one_of("dtype", Dtype),
+            one_of("kv_cache_dtype", KvCacheDtype),
+            one_of("greedy_head_screen", GreedyHeadScreen),
+            one_of("preemption_victim", VictimPolicy),
+            (
+                "max_num_batched_tokens",
+                self.max_num_seqs is None or self.max_num_batched_tokens >= self.max_num_seqs,
+                f">= max_num_seqs ({self.max_num_seqs}) so every running decode fits in a step",
+            ),
+        ]
+        for name, ok, limit in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {limit}, got {getattr(self, name)}")
+
+    def resolve_model(self) -> EngineConfig:
+        """Fill `facts` and `max_model_len` from the checkpoint's JSON files (ValueError naming
+        the field of a model that tensor_parallel_size does not split, before any rank starts)."""
+        facts = ModelFacts.read(self.model)
+        if self.tensor_parallel_size > 1:
+            ShardLayout.of(ModelConfig.from_dir(self.model), 0, self.tensor_parallel_size)
+        max_len = self.max_model_len or facts.max_position_embeddings
+        if max_len > facts.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings "
+                f"({facts.max_position_embeddings}), got {max_len}"
+            )
+        return msgspec.structs.replace(self, facts=facts, max_model_len=max_len)
+
+    def resolve_device(self, device_type: str) -> EngineConfig:
+        """Fill the settings whose default depends on the Worker's device ("cuda", else CPU):
+        `max_num_seqs` (DEFAULT_MAX_NUM_SEQS, at most max_num_batched_tokens, so that a default
+        never fails the check that every running decode fits in a step) and `torch_threads`
+        (CUDA_TORCH_THREADS on CUDA; on CPU the cores, shared out among data_parallel_size
+        replicas' tensor_parallel_size ranks); `cpu_fast_path` off on CPU with more than one
+        rank (its packed weights and fused heads are whole-model ones). Settings the user gave
+        stay; validate() passes on the result wherever it passed before. The Worker resolves its
+        config with it, as the supervisor, once the Worker's Ready names the device, does."""
+        kind = "cuda" if device_type == "cuda" else "cpu"
+        max_num_seqs = self.max_num_seqs
+        if max_num_seqs is None:
+            max_num_seqs = min(DEFAULT_MAX_NUM_SEQS[kind], self.max_num_batched_tokens)
+        threads = self.torch_threads
+        if threads is None:
+            processes = self.data_parallel_size * self.tensor_parallel_size
+            cores = max(1, (os.cpu_count() or 1) // processes)
+            threads = CUDA_TORCH_THREADS if kind == "cuda" else cores
+        fast_path = self.cpu_fast_path and (kind == "cuda" or self.tensor_parallel_size == 1)
+        return msgspec.structs.replace(
+            self, max_num_seqs=max_num_seqs, torch_threads=threads, cpu_fast_path=fast_path
+        )
+
+    def resolve_kv_blocks(self, num_kv_blocks: int, num_cpu_blocks: int = 0) -> EngineConfig:
+        """Fix the block count the Worker measured; every sequence must fit in the cache alone."""
+        capacity = num_kv_blocks * self.block_size
+        if self.max_model_len is not None and capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_kv_blocks} blocks of "
+                f"{self.block_size}), less than max_model_len={self.max_model_len}: raise "
+                f"gpu_memory_utilization (CUDA), kv_cache_memory_gb or num_kv_blocks, or lower "
+                f"max_model_len"
+            )
+        return msgspec.structs.replace(
+            self, num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks
+        )
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> EngineConfig:
+        return msgspec.json.decode(data, type=cls)

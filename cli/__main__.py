@@ -1,0 +1,7 @@
+"""`python -m actorserve.cli ...`: the same commands as the `actorserve` entry point."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())
