@@ -81,10 +81,11 @@ def instrument(runner, timer: OpTimer) -> None:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             norm.forward = timer.wrap("RMSNorm (+ residual)", norm.forward)
     model.model.norm.forward = timer.wrap("RMSNorm (+ residual)", model.model.norm.forward)
-    runner.compute_logits = timer.wrap("lm_head", runner.compute_logits)
-    runner.greedy_tokens = timer.wrap("lm_head + greedy argmax (as served)", runner.greedy_tokens)
+    step = runner.step_sampler  # the step's LM head and sampler (step_sampling.py)
+    step.compute_logits = timer.wrap("lm_head", step.compute_logits)
+    step.greedy_tokens = timer.wrap("lm_head + greedy argmax (as served)", step.greedy_tokens)
+    step.sampler.sample = timer.wrap("sampling", step.sampler.sample)
     runner.prepare = timer.wrap("input preparation", runner.prepare)
-    runner.sampler = timer.wrap("sampling", runner.sampler)
 
 
 def build(model_dir: Path, prompts: list[list[int]], decode_steps: int):
