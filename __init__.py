@@ -3,10 +3,12 @@
 Doors: `LLM` (offline), `Client` / `AsyncClient` (ZeroMQ SDK), the `actorserve` CLI.
 """
 
-from .gateway.client import AsyncClient, Client
-from .gateway.errors import EngineError
-from .messages.common import FinishReason, SamplingParams
-from .offline import LLM, Completion, Sample
+# Absolute imports: pytest imports this file as a plain module when it collects the checkout
+# (the repository root is the package), whatever the checkout's directory is called.
+from actorserve.gateway.client import AsyncClient, Client
+from actorserve.gateway.errors import EngineError
+from actorserve.messages.common import FinishReason, SamplingParams
+from actorserve.offline import LLM, Completion, Sample
 
 __all__ = [
     "LLM",
