@@ -120,7 +120,11 @@ class ModelRunner:
             self.sampler = Sampler(config.seed, fast_path.argmax_rows, device)
         self.prompt_logprobs = PromptLogprobsTracker()  # requests owing prompt logprobs
         self.grammars = GrammarCache(
-            config.model, config.facts.vocab_size, self.eos_token_ids, config.structured_cache_size
+            config.model,
+            config.facts.vocab_size,
+            self.eos_token_ids,
+            config.structured_cache_size,
+            config.structured_max_whitespace,
         )
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None  # step inputs, KV swaps
