@@ -127,28 +127,31 @@ class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
         if self.suffix:
             raise invalid("suffix is not supported", "suffix")
 
-    def prompt_input(self) -> str | list[int]:
-        """The one prompt: text, or token ids. A batch of several prompts is refused."""
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """The prompts, in order: OpenAI's `prompt` is a string, a list of token ids (one
+        prompt), or a list of strings and token-id lists (a batch, each its own request). A 400
+        naming `prompt` (and the place in the batch) when it is none of those."""
         prompt = self.prompt
         if isinstance(prompt, str):
-            return prompt
-        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-            if isinstance(prompt, str):
-                return prompt
-        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
+            return [prompt]
         if not prompt:
             raise invalid("prompt must not be empty", "prompt")
-        if all(isinstance(p, (str, list)) for p in prompt):
-            raise invalid(
-                f"prompt: a batch of {len(prompt)} prompts is not supported yet; send "
-                "one prompt per request",
-                "prompt",
-            )
-        raise invalid(
-            "prompt must be a string, a list of token ids, or a list holding one of those", "prompt"
-        )
+        if all(is_token_id(t) for t in prompt):
+            return [list(prompt)]
+        for i, one in enumerate(prompt):
+            if not isinstance(one, (str, list)) or (
+                isinstance(one, list) and not all(is_token_id(t) for t in one)
+            ):
+                raise invalid(
+                    f"prompt[{i}] must be a string or a list of token ids (integers), got "
+                    f"{one!r:.40}",
+                    "prompt",
+                )
+        return list(prompt)
+
+
+def is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):

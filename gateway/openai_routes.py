@@ -1,4 +1,5 @@
-"""POST /v1/completions and /v1/chat/completions: one request through `Gateway.generate`.
+"""POST /v1/chat/completions, and what it shares with /v1/completions (openai_completions.py):
+reading the body, the disconnect watch, SSE framing.
 
 Streaming answers are Server-Sent Events framed as OpenAI frames them: `data: {json}\\n\\n` per
 chunk, then `data: [DONE]\\n\\n`; with n > 1 the choices' chunks interleave, each naming its
@@ -21,16 +22,14 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..messages.client import Delta
 from ..messages.common import FinishReason
-from . import prompt_scoring
 from .openai_errors import (
     APIError,
     decode_json,
     invalid,
 )
-from .openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from .openai_logprobs import chat_logprobs, prompt_logprobs
 from .openai_requests import (
     ChatCompletionRequest,
-    CompletionRequest,
 )
 from .openai_responses import (
     AssistantMessage,
@@ -40,9 +39,6 @@ from .openai_responses import (
     ChatCompletionChunk,
     ChatCompletionWithPrompt,
     ChunkDelta,
-    Completion,
-    CompletionChoice,
-    CompletionChoiceWithPrompt,
     Usage,
     finish_reason,
     now,
@@ -200,83 +196,6 @@ def closing_events(body, lasts: dict[int, Delta], chunk_type, rid: str, created:
         usage = usage_of([lasts[i] for i in range(body.n)])
         yield sse(chunk_type(rid, [], created, model, usage=usage))
     yield SSE_DONE
-
-
-async def completions(request: Request, gateway: Gateway) -> Response:
-    body = await read_body(request, CompletionRequest, gateway.settings)
-    body.check()
-    check_model(gateway, body.model)
-    prompt_scoring.check_max_tokens(body)
-    max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    scoring = await prompt_scoring.plan(gateway, body)  # echo, max_tokens 0
-    params = body.sampling_params(max_tokens or 1, body.logprobs)
-    prompt = body.prompt_input()
-    if scoring is not None:
-        prompt, params = scoring.prompt, scoring.engine_params(params)
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    model, created = gateway.settings.model_id, now()
-    names = gateway.token_names
-    deltas = gateway.generate(
-        prompt, params, rid, priority=body.priority, structured_param=body.structured_param
-    )
-    if not body.stream:
-        samples = await until_disconnect(request, collect(deltas, params.n))
-        if scoring is not None:
-            samples = scoring.samples(samples)
-        entries = samples[0].prompt_logprobs  # sample 0 carries them; every choice repeats them
-        prompt_lps = None
-        if body.prompt_logprobs is not None:
-            user_entries = entries if scoring is None else scoring.user_prompt_logprobs(entries)
-            prompt_lps = prompt_logprobs(user_entries or [], names)
-        echo_text, echo_lps, offset = "", None, 0
-        if scoring is not None and scoring.echo:
-            echo_text, echo_lps, offset = scoring.echoed(entries, names)
-        choices = []
-        for i, sample in enumerate(samples):
-            logprobs = None
-            if body.logprobs is not None:
-                generated = completion_logprobs(sample.logprobs or [], names, offset)[0]
-                logprobs = prompt_scoring.joined_logprobs(echo_lps, generated)
-            reason = finish_reason(sample.finish_reason)
-            text = echo_text + sample.text
-            if prompt_lps is None:
-                choices.append(CompletionChoice(i, text, logprobs, reason))
-            else:
-                choices.append(CompletionChoiceWithPrompt(i, text, logprobs, reason, prompt_lps))
-        usage = usage_of(samples)
-        return json_response(Completion(rid, choices, created, model, usage=usage))
-    first, rest = await until_disconnect(request, primed(deltas))
-    if scoring is not None:
-        rest = scoring.client_deltas(first, rest)
-        first = await rest.__anext__()
-    offsets = [0] * body.n
-    echo = prompt_scoring.StreamedEcho(scoring, names)
-
-    def render_generated(delta: Delta) -> list[bytes]:
-        if not delta.text and not delta.finished and not delta.logprobs:
-            return []
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs, offsets[delta.index] = completion_logprobs(
-                delta.logprobs or [], names, offsets[delta.index]
-            )
-        choice = CompletionChoice(
-            delta.index, delta.text, logprobs, finish_reason(delta.finish_reason)
-        )
-        usage = running_usage(body, delta)
-        return [sse(Completion(rid, [choice], created, model, usage=usage))]
-
-    def render(delta: Delta) -> list[bytes]:
-        events = []
-        for ready, echoed in echo.take(delta):
-            if echoed is not None:  # the choice's first chunk: its prompt
-                text, logprobs, offsets[ready.index] = echoed
-                choice = CompletionChoice(ready.index, text, logprobs, None)
-                events.append(sse(Completion(rid, [choice], created, model)))
-            events += render_generated(ready)
-        return events
-
-    return event_stream(body, first, rest, Completion, rid, created, model, render)
 
 
 async def chat_completions(request: Request, gateway: Gateway) -> Response:

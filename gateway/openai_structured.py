@@ -6,7 +6,9 @@ Accepted, on /v1/completions and /v1/chat/completions alike (as vLLM does):
   `chat.completions.parse(response_format=PydanticModel)` sends this one). `strict` false is
   honoured as true: the output is always constrained.
 - vLLM's `structured_outputs`: {"json": schema, "regex", "choice", "grammar", "json_object"}, one
-  of them.
+  of them, and its option `disable_any_whitespace` (compact JSON; by default whitespace may go
+  between JSON tokens, as in vLLM). As in vLLM, an object with the option alone may go with
+  `response_format` or a guided field, which then gives the constraint.
 - vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 At most one of these may constrain a request. An error about the constraint names the field the
 request used (`structured_param`), so a schema that does not compile is a 400 naming
@@ -43,9 +45,13 @@ class StructuredOutputsParams(msgspec.Struct, forbid_unknown_fields=True):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+CONSTRAINTS = "exactly one of json, regex, choice, grammar, json_object"
+JSON_KINDS = (StructuredKind.JSON_SCHEMA, StructuredKind.JSON_OBJECT)
 
 
 class StructuredFields(msgspec.Struct, kw_only=True):
@@ -64,10 +70,15 @@ class StructuredFields(msgspec.Struct, kw_only=True):
         the Engine sends back about it; without building the constraint again."""
         if self.response_format is not None and self.response_format.type != "text":
             return "response_format"
-        for name in ("structured_outputs", *GUIDED_FIELDS):
+        options = self.structured_outputs
+        if options is not None and any(
+            getattr(options, name) not in (None, False) for name in CONSTRAINT_FIELDS
+        ):
+            return "structured_outputs"
+        for name in GUIDED_FIELDS:
             if getattr(self, name) is not None:
                 return name
-        return "structured"
+        return "structured_outputs" if options is not None else "structured"
 
     def structured(self) -> tuple[StructuredOutput | None, str]:
         """-> (the constraint or None, the request field it came from). A 400 when several
@@ -77,8 +88,11 @@ class StructuredFields(msgspec.Struct, kw_only=True):
             spec = response_format_spec(self.response_format)
             if spec is not None:
                 found.append((spec, "response_format"))
-        if self.structured_outputs is not None:
-            found.append((structured_outputs_spec(self.structured_outputs), "structured_outputs"))
+        options = self.structured_outputs
+        if options is not None:
+            spec = structured_outputs_spec(options)
+            if spec is not None:
+                found.append((spec, "structured_outputs"))
         for name in GUIDED_FIELDS:
             value = getattr(self, name)
             if value is not None:
@@ -86,7 +100,14 @@ class StructuredFields(msgspec.Struct, kw_only=True):
         if len(found) > 1:
             names = ", ".join(name for _, name in found)
             raise invalid(f"only one structured output may be asked for, got {names}", found[1][1])
-        return found[0] if found else (None, "structured")
+        if not found:
+            if options is not None:  # options alone: nothing to apply them to
+                raise invalid(f"structured_outputs must set {CONSTRAINTS}", "structured_outputs")
+            return None, "structured"
+        spec, field = found[0]
+        if options is not None and options.disable_any_whitespace and spec.kind in JSON_KINDS:
+            spec = msgspec.structs.replace(spec, any_whitespace=False)
+        return spec, field
 
 
 def schema_text(schema: Any, field: str) -> str:
@@ -119,19 +140,19 @@ def response_format_spec(fmt: ResponseFormat) -> StructuredOutput | None:
     )
 
 
-def structured_outputs_spec(params: StructuredOutputsParams) -> StructuredOutput:
+def structured_outputs_spec(params: StructuredOutputsParams) -> StructuredOutput | None:
+    """The constraint vLLM's object sets; None when it sets none but options (then another
+    field must give it: StructuredFields.structured)."""
     field = "structured_outputs"
     asked = [
         (name, getattr(params, name))
-        for name in ("json", "regex", "choice", "grammar", "json_object")
+        for name in CONSTRAINT_FIELDS
         if getattr(params, name) not in (None, False)
     ]
+    if not asked and params.disable_any_whitespace:
+        return None
     if len(asked) != 1:
-        raise invalid(
-            f"{field} must set exactly one of json, regex, choice, grammar, json_object; got "
-            f"{[name for name, _ in asked]}",
-            field,
-        )
+        raise invalid(f"{field} must set {CONSTRAINTS}; got {[name for name, _ in asked]}", field)
     name, value = asked[0]
     if name == "json":
         return StructuredOutput(StructuredKind.JSON_SCHEMA, schema_text(value, field))

@@ -204,14 +204,14 @@ def joined_logprobs(
     )
 
 
-async def plan(gateway, body: CompletionRequest) -> PromptScoring | None:
-    """The request's prompt scoring, None when it asks for none (no echo, max_tokens > 0).
+async def plan(gateway, body: CompletionRequest, prompt: str | list[int]) -> PromptScoring | None:
+    """`prompt`'s scoring (one of the request's prompts), None when the request asks for none
+    (no echo, max_tokens > 0).
     A prompt needs tokenizing (or decoding, to echo its text) here: on a thread, as the chat
     template does, so a long prompt does not stall the event loop."""
     generate = body.max_tokens != 0
     if not body.echo and generate:
         return None
-    prompt = body.prompt_input()
     scoring = PromptScoring(
         body.echo, generate, body.logprobs, body.prompt_logprobs, body.n, prompt
     )

@@ -2,7 +2,8 @@
 
     GET  /                       playground page (static HTML + JS, streams from /v1/stream)
     WS   /v1/stream              many streamed requests per socket (see websocket.py)
-    POST /v1/completions         OpenAI-compatible, stream true/false (see openai_routes.py)
+    POST /v1/completions         OpenAI-compatible, stream true/false, a batch of prompts
+                                 (see openai_completions.py)
     POST /v1/chat/completions    OpenAI-compatible, the checkpoint's chat template
     GET  /v1/models              the one served model
     GET  /health                 liveness: the Engine answers (no generation); see health.py
@@ -42,9 +43,10 @@ from .guards import add_guards, has_api_key
 from .health import HealthChecks
 from .live_stats import StatsHistory
 from .metrics import CONTENT_TYPE
+from .openai_completions import completions
 from .openai_errors import APIError
 from .openai_responses import ModelCard, ModelList, now
-from .openai_routes import ClientGone, chat_completions, completions, error_response, json_response
+from .openai_routes import ClientGone, chat_completions, error_response, json_response
 from .replicas import ReplicaSet
 from .service import Gateway, GatewaySettings
 from .websocket import stream_endpoint

@@ -50,6 +50,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         int | None,
         Meta(description="answer 429 over this many requests in flight; unset: max_live_requests"),
     ] = None
+    max_batch_prompts: Annotated[
+        int,
+        Meta(
+            description="prompts in one /v1/completions request (a list: each its own request "
+            "in the engine, each counted against max_concurrent_requests)"
+        ),
+    ] = 256
     max_body_bytes: Annotated[
         int, Meta(description="largest request body accepted, and WebSocket message")
     ] = 8 * 1024 * 1024
@@ -247,6 +254,28 @@ class Gateway:
             )
         self.active += 1
         self._idle.clear()
+
+    def check_batch(self, count: int) -> None:
+        """Before a batch of `count` prompts starts: a 400 when it can never run (over
+        max_batch_prompts, or more than max_concurrent_requests at once), a 429 when it cannot
+        run now; so no prompt of it starts only to be aborted when a later one is refused."""
+        if count <= 1:
+            return
+        limit = self.settings.max_concurrent_requests
+        limits = {"max_batch_prompts": self.settings.max_batch_prompts}
+        limits["max_concurrent_requests"] = limit
+        for name, most in limits.items():
+            if count > most:
+                raise invalid(f"prompt: a batch of {count} prompts is over {name}={most}", "prompt")
+        if self.active + count > limit:
+            raise APIError(
+                429,
+                f"a batch of {count} prompts would be over max_concurrent_requests={limit} with "
+                f"the {self.active} in flight; retry shortly",
+                None,
+                "rate_limit_exceeded",
+                RETRY_AFTER,
+            )
 
     def _release(self) -> None:
         self.active -= 1

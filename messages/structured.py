@@ -25,15 +25,23 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     compiled-grammar caches, so two requests with the same schema text share one compile.
 
     The output ends where the grammar does: the grammar's end is the model's EOS token, which
-    then stops the request even under `ignore_eos` (SamplingParams.stop_token_set)."""
+    then stops the request even under `ignore_eos` (SamplingParams.stop_token_set).
+
+    `any_whitespace` (JSON kinds only): whitespace may go between JSON tokens, vLLM's default;
+    False writes compact JSON (vLLM's `disable_any_whitespace`), which leaves a weak model no
+    whitespace to spend its budget on."""
 
     kind: StructuredKind
     text: str = ""
     choices: tuple[str, ...] = ()
+    any_whitespace: bool = True
 
     def validate(self, max_chars: int) -> str | None:
         """None when well formed (whether it compiles is the Engine's check), else a message
         naming the field and its limit."""
+        json_kinds = (StructuredKind.JSON_SCHEMA, StructuredKind.JSON_OBJECT)
+        if not self.any_whitespace and self.kind not in json_kinds:
+            return f"structured: any_whitespace is only for JSON constraints, not {self.kind.value}"
         if self.kind is StructuredKind.CHOICE:
             if self.text:
                 return "structured: a choice constraint takes choices, not text"

@@ -1,6 +1,7 @@
 """lm-evaluation-harness, unchanged, against the server (issue 24, test 4): its `local-completions`
 model runs a loglikelihood task and a generate_until task from a local file (tests/lm_eval_task/,
-no download), and what it records equals transformers (fp32) on the same checkpoint.
+no download), and what it records equals transformers (fp32) on the same checkpoint; with
+`--batch_size 8` (a list of prompts per request, issue 36) it records the same as with 1.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gateway_support import API_KEY, shared_gateway
+from gateway_support import API_KEY, GatewayServer, call
 
 from support import hf_greedy, hf_model, tokenizer
 
@@ -22,11 +23,27 @@ pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra")
 TASK_DIR = Path(__file__).parent / "lm_eval_task"
 TASKS = ("actorserve_tiny_mc", "actorserve_tiny_gen")
 ATOL_PER_TOKEN = 1e-4
+BATCH = 8
 
 
 @pytest.fixture(scope="module")
-def gateway(pytestconfig, llama_dir):
-    return shared_gateway(pytestconfig, llama_dir)
+def gateway(llama_dir):
+    """Its own server: a batch of BATCH prompts is BATCH requests in flight, over the shared
+    gateway's max_concurrent_requests."""
+    server = GatewayServer(
+        llama_dir,
+        "--api-key", API_KEY,
+        "--max-model-len", "512",
+        "--max-concurrent-requests", str(2 * BATCH),
+        "--max-batch-prompts", str(BATCH),
+    )  # fmt: skip
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def batch_one(gateway, llama_dir, tmp_path_factory) -> dict[str, list[dict]]:
+    return run_lm_eval(gateway, llama_dir, tmp_path_factory.mktemp("batch1"), 1)
 
 
 def model_args(gateway, llama_dir) -> str:
@@ -42,7 +59,7 @@ def model_args(gateway, llama_dir) -> str:
     )
 
 
-def run_lm_eval(gateway, llama_dir, output: Path) -> dict[str, list[dict]]:
+def run_lm_eval(gateway, llama_dir, output: Path, batch_size: int) -> dict[str, list[dict]]:
     """`lm_eval --model local-completions ...` as a user runs it; its logged samples by task."""
     command = [
         sys.executable, "-m", "lm_eval",
@@ -51,6 +68,7 @@ def run_lm_eval(gateway, llama_dir, output: Path) -> dict[str, list[dict]]:
         "--tasks", ",".join(TASKS),
         "--include_path", str(TASK_DIR),
         "--output_path", str(output),
+        "--batch_size", str(batch_size),
         "--log_samples",
     ]  # fmt: skip
     env = {
@@ -83,10 +101,10 @@ def transformers_loglikelihood(model_dir, context: list[int], continuation: list
 
 
 @pytest.mark.slow
-def test_lm_eval_scores_and_generates_as_transformers_does(llama_dir, gateway, tmp_path):
+def test_lm_eval_scores_and_generates_as_transformers_does(llama_dir, gateway, batch_one):
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    samples = run_lm_eval(gateway, llama_dir, tmp_path)
+    samples = batch_one
     # lm-eval's own tokenization of each (context, continuation) pair: what it sent
     lm = LocalCompletionsAPI(
         base_url=f"{gateway.url}/v1/completions",
@@ -115,3 +133,26 @@ def test_lm_eval_scores_and_generates_as_transformers_does(llama_dir, gateway, t
         ids = lm.tok_encode(context)
         expected = tok.decode(hf_greedy(llama_dir, ids, 8), skip_special_tokens=True)
         assert sample["resps"][0][0] == expected.split("\n")[0]
+
+
+def recorded(samples: dict[str, list[dict]]) -> dict[tuple[str, int], list]:
+    return {(task, s["doc_id"]): s["resps"] for task, rows in samples.items() for s in rows}
+
+
+@pytest.mark.slow
+def test_lm_eval_with_batch_size_8_records_what_batch_size_1_does(
+    llama_dir, gateway, batch_one, tmp_path
+):
+    batched = recorded(run_lm_eval(gateway, llama_dir, tmp_path, BATCH))
+    alone = recorded(batch_one)
+    assert batched.keys() == alone.keys()
+    for key, resps in alone.items():
+        if key[0] == "actorserve_tiny_gen":
+            assert batched[key] == resps, key
+            continue
+        for [[together, greedy_together]], [[single, greedy_single]] in zip(batched[key], resps):
+            assert float(together) == pytest.approx(float(single), abs=ATOL_PER_TOKEN * 8), key
+            assert greedy_together == greedy_single, key
+    many = {"model": gateway.model_name, "prompt": ["x"] * (BATCH + 1), "max_tokens": 1}
+    reply = call(gateway, "POST", "/v1/completions", many, {"Authorization": f"Bearer {API_KEY}"})
+    assert reply.status == 400 and f"max_batch_prompts={BATCH}" in reply.json()["error"]["message"]

@@ -86,6 +86,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     structured_cache_size: Annotated[
         int, Meta(description="compiled grammars the Worker keeps (LRU), one per schema text")
     ] = 64
+    structured_max_whitespace: Annotated[
+        int,
+        Meta(
+            description="whitespace characters a JSON output may put between two tokens where "
+            "the request lets whitespace in (vLLM's default; its disable_any_whitespace does "
+            "not); 0: no limit, as in vLLM"
+        ),
+    ] = 8
     priority_min: Annotated[
         int, Meta(description="lowest priority a client may ask (lower runs first)")
     ] = 0
@@ -294,6 +302,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("max_logprob_entries", self.max_logprob_entries >= 1, ">= 1"),
             ("max_structured_chars", self.max_structured_chars >= 1, ">= 1"),
             ("structured_cache_size", self.structured_cache_size >= 2, ">= 2"),
+            ("structured_max_whitespace", self.structured_max_whitespace >= 0, ">= 0"),
             ("priority_max", self.priority_max >= self.priority_min, ">= priority_min"),
             ("poison_crashes", self.poison_crashes >= 1, ">= 1"),
             ("client_lease_s", self.client_lease_s > 0, "> 0"),

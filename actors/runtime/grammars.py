@@ -7,8 +7,14 @@ for every grammar state, which tokens may follow) is the expensive part and need
 the Worker does it on a thread of its own (worker/grammar_cache.py), since the Worker is where the
 per-step matchers live.
 
-JSON is generated compact (no optional whitespace): whitespace between JSON tokens carries no
-information, costs tokens, and a weak model can spend its whole budget on it.
+A JSON schema's string rules go through schema_strings.prepared first (both here and in the
+Worker, so what is checked is what is compiled): xgrammar lets some of them write raw control
+characters into a JSON string. Whitespace between JSON tokens is any (`spec.any_whitespace`, as
+vLLM's default), each run of it at most EngineConfig.structured_max_whitespace characters: a
+model that likes whitespace otherwise writes it until max_tokens (vLLM issue 38696, whose open
+fix bounds it the same way). A request that asks for compact JSON (vLLM's
+`structured_outputs.disable_any_whitespace`) gets none at all. A json_object is the schema
+{"type": "object"}, as vLLM compiles it (an object, not any JSON value, the same whitespace).
 """
 
 from __future__ import annotations
@@ -18,8 +24,12 @@ import threading
 from collections import OrderedDict
 
 from ...messages.structured import StructuredKind, StructuredOutput
+from .schema_strings import prepared_text
 
 CHECKED_SPECS = 256  # specs the Engine remembers as valid (one parse each)
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+MAX_WHITESPACE = 8  # EngineConfig.structured_max_whitespace's default
+COMPACT = (",", ":")  # separators of compact JSON: no whitespace at all
 
 
 def choice_ebnf(choices: tuple[str, ...]) -> str:
@@ -33,9 +43,8 @@ def check(spec: StructuredOutput) -> None:
     import xgrammar as xgr
 
     try:
-        if spec.kind is StructuredKind.JSON_SCHEMA:
-            json.loads(spec.text)  # a clearer message than xgrammar's for broken JSON
-            xgr.Grammar.from_json_schema(spec.text, any_whitespace=False)
+        if spec.kind in (StructuredKind.JSON_SCHEMA, StructuredKind.JSON_OBJECT):
+            xgr.Grammar.from_json_schema(schema_of(spec), **json_layout(spec, MAX_WHITESPACE))
         elif spec.kind is StructuredKind.REGEX:
             xgr.Grammar.from_regex(spec.text)
         elif spec.kind is StructuredKind.GRAMMAR:
@@ -46,12 +55,28 @@ def check(spec: StructuredOutput) -> None:
         raise ValueError(f"invalid {spec.kind.value}: {first_line(exc)}") from None
 
 
-def compile(compiler, spec: StructuredOutput):
-    """The xgrammar CompiledGrammar of `spec` (compiler: an xgrammar GrammarCompiler)."""
-    if spec.kind is StructuredKind.JSON_SCHEMA:
-        return compiler.compile_json_schema(spec.text, any_whitespace=False)
+def json_layout(spec: StructuredOutput, max_whitespace: int) -> dict:
+    """xgrammar's whitespace arguments: any whitespace, at most `max_whitespace` characters
+    between two tokens; or none at all (xgrammar's any_whitespace=False alone would still
+    require ", " and ": ", which vLLM documents as compact but is not)."""
+    if not spec.any_whitespace:
+        return {"any_whitespace": False, "separators": COMPACT}
+    return {"any_whitespace": True, "max_whitespace_cnt": max_whitespace or None}
+
+
+def schema_of(spec: StructuredOutput) -> str:
+    """The JSON schema a json_schema or json_object spec is compiled from. Broken JSON raises
+    json's ValueError (a clearer message than xgrammar's)."""
     if spec.kind is StructuredKind.JSON_OBJECT:
-        return compiler.compile_builtin_json_grammar()
+        return JSON_OBJECT_SCHEMA
+    return prepared_text(spec.text)
+
+
+def compile(compiler, spec: StructuredOutput, max_whitespace: int = MAX_WHITESPACE):
+    """The xgrammar CompiledGrammar of `spec` (compiler: an xgrammar GrammarCompiler);
+    `max_whitespace` bounds each run of whitespace between JSON tokens (0: unbounded)."""
+    if spec.kind in (StructuredKind.JSON_SCHEMA, StructuredKind.JSON_OBJECT):
+        return compiler.compile_json_schema(schema_of(spec), **json_layout(spec, max_whitespace))
     if spec.kind is StructuredKind.REGEX:
         return compiler.compile_regex(spec.text)
     if spec.kind is StructuredKind.CHOICE:

@@ -25,9 +25,18 @@ log = logging.getLogger("worker")
 
 
 class GrammarCache:
-    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: list[int], capacity: int):
-        """`vocab_size`: the model's (its logits' width, which may pad the tokenizer's)."""
+    def __init__(
+        self,
+        model_dir: str,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        capacity: int,
+        max_whitespace: int = grammars.MAX_WHITESPACE,
+    ):
+        """`vocab_size`: the model's (its logits' width, which may pad the tokenizer's);
+        `max_whitespace`: EngineConfig.structured_max_whitespace."""
         self.model_dir = model_dir
+        self.max_whitespace = max_whitespace
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.capacity = capacity
@@ -75,7 +84,7 @@ class GrammarCache:
             )
             # one compile thread: the cores belong to the forward; this cache is the only cache
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return grammars.compile(self._compiler, spec)
+        return grammars.compile(self._compiler, spec, self.max_whitespace)
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

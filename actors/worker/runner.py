@@ -96,7 +96,11 @@ class ModelRunner:
         self.step_sampler = StepSampler(self.sampler, self.compute_logits, self.greedy_tokens)
         self.prompt_logprobs = PromptLogprobsTracker()  # requests owing prompt logprobs
         self.grammars = GrammarCache(
-            config.model, config.facts.vocab_size, self.eos_token_ids, config.structured_cache_size
+            config.model,
+            config.facts.vocab_size,
+            self.eos_token_ids,
+            config.structured_cache_size,
+            config.structured_max_whitespace,
         )
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None  # step inputs, KV swaps
