@@ -10,7 +10,7 @@ import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
-from actorserve.actors import grammars
+from actorserve.actors.runtime import grammars
 from actorserve.actors.runtime.schema_strings import ascii_pattern, prepared, prepared_text
 from actorserve.messages.structured import StructuredKind, StructuredOutput
 
