@@ -24,7 +24,7 @@ from gateway_support import API_KEY, GatewayServer, call
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from actorserve.checkpoints import ensure_checkpoint
+from actorserve.weights.checkpoints import ensure_checkpoint
 
 CHECKPOINTS = ("tiny-llama", "tiny-qwen3")  # two random models, two tokenizers' vocabularies
 # schemas per checkpoint, each sampled N times: without schema_strings' rewrite, these draws
