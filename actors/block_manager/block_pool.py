@@ -5,7 +5,7 @@ Invariants (checked by tests/test_block_pool.py after every operation):
   across all block tables and is not in the free queue;
 - a request whose table has n blocks has room for n * block_size tokens;
 - a full block of a request may carry a hash chained over all tokens up to its end
-  (block_hash(parent hash, its tokens), the first block's parent the root of the request's
+  (blake2b of the parent hash and its tokens, the first block's parent the root of the request's
   cache salt: see block_hash.py); `cached` maps such hashes to blocks, and a cached block keeps
   its content until it is handed out again as a fresh block (evicted least-recently-freed first).
 A new request reuses the longest chain of cached full blocks whose tokens match, always leaving
