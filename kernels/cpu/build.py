@@ -7,8 +7,9 @@ stale library. A new build keeps the KEPT_BUILDS most recently used libraries an
 rest: checkouts or versions that share the cache (a developer's worktrees, an upgrade installed
 beside a running server) each keep theirs, so a restarted Worker loads its library instead of
 compiling it again. The library is linked against the OpenMP runtime that torch already has
-loaded (libgomp.so.1 is matched by soname), so the kernels and torch share one thread pool. The sources are found next to this module, so an editable install
-and a wheel both build from the files they ship (pyproject.toml's package-data).
+loaded (libgomp.so.1 is matched by soname), so the kernels and torch share one thread pool. The
+sources are found next to this module, so an editable install and a wheel both build from the
+files they ship (pyproject.toml's package-data).
 
 What each source holds: cpu_decode.c and cpu_prefill.c (decode and prefill attention reading the
 paged cache directly, with cpu_attention.h), cpu_decode_bf16.c (a decode's work over a bf16
