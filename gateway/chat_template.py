@@ -8,8 +8,9 @@ A tokenizer without a chat template gets a simple built-in one (logged once at s
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
+
+from ..actors.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("gateway")
 
@@ -22,15 +23,12 @@ FALLBACK_TEMPLATE = (
 
 
 class ChatTemplate:
-    """Loads only the tokenizer (no weights) of the checkpoint in `model_dir`."""
+    """Loads only the tokenizer (no weights) of the checkpoint in `model_dir`
+    (actors/runtime/tokenizer.py: neither transformers nor torch)."""
 
     def __init__(self, model_dir: str | Path):
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        if "torch" in sys.modules:  # transformers pulls it in: keep it off the Worker's cores
-            sys.modules["torch"].set_num_threads(1)
-        self.builtin = not getattr(self.tokenizer, "chat_template", None)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.builtin = not self.tokenizer.chat_template
         # a chat longer than messages.common.max_prompt_chars allows is refused untokenized
         self.longest_token_chars = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         if self.builtin:
@@ -50,7 +48,6 @@ class ChatTemplate:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
-                tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=FALLBACK_TEMPLATE if self.builtin else None,
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,15 +13,15 @@ from actorserve.kernels.cpu import huge_pages
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def anon_huge_kib(address: int) -> int:
-    """AnonHugePages of the mapping of this process that holds `address`."""
+def smaps_kib(address: int, field: str = "AnonHugePages:") -> int:
+    """`field` (AnonHugePages, Rss) of the mapping of this process that holds `address`."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, end = (int(part, 16) for part in head.split("-"))
             inside = start <= address < end
-        elif inside and head == "AnonHugePages:":
+        elif inside and head == field:
             return int(line.split()[1])
     return 0
 
@@ -34,11 +35,24 @@ def test_zeros_are_zeros_of_the_asked_shape_and_type():
 @pytest.mark.skipif(
     not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages"
 )
-def test_a_large_tensor_is_backed_by_huge_pages():
+def test_a_large_tensor_is_backed_by_huge_pages_once_used():
     tensor = huge_pages.zeros((16 << 20,), torch.float32)  # 64 MiB
+    tensor.fill_(1.0)  # its pages are faulted in on first use
     first_whole_page = -(-tensor.data_ptr() // huge_pages.HUGE_PAGE) * huge_pages.HUGE_PAGE
     # the advised range is a mapping of its own (madvise splits the allocation's)
-    assert anon_huge_kib(first_whole_page) >= 32 << 10  # at least half of it on 2 MiB pages
+    assert smaps_kib(first_whole_page) >= 32 << 10  # at least half of it on 2 MiB pages
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+@pytest.mark.parametrize("huge", [True, False])
+def test_zeros_touch_no_page_until_used(huge):
+    """A KV cache costs a start nothing: its zeros are the kernel's, page by page on first use,
+    so a Worker (re)start does not fault in a GiB it has not used yet."""
+    tensor = huge_pages.zeros((64, 1 << 20), torch.bfloat16, huge)  # 128 MiB
+    assert smaps_kib(tensor.data_ptr() + tensor.nbytes // 2, "Rss:") == 0
+    tensor[:4].fill_(1.0)  # the first 8 MiB
+    assert 0 < smaps_kib(tensor.data_ptr(), "Rss:") <= 16 << 10
+    assert tensor[:4].all() and not tensor[4:].any()
 
 
 def test_a_tensor_not_asked_huge_is_not_advised(monkeypatch):

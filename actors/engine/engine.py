@@ -55,6 +55,7 @@ from ...messages.control import ActorStatus, Drain, Drained, Recover, Roster
 from ...messages.step import AbortRequests, StatsQuery, StatsReply, TokensOut
 from ..runtime.actor import YIELD_EVERY, Actor, ErrorThrottle, LoopSocket, actor_main
 from ..runtime.grammars import CheckedSpecs
+from ..runtime.tokenizer import Tokenizer
 from .admission import (
     InvalidRequest,
     check_output_size,
@@ -95,12 +96,7 @@ class Engine(Actor):
         self.draining = False
 
     async def setup(self) -> None:
-        import torch  # pulled in by transformers; keep it to one thread: the Worker owns the cores
-
-        torch.set_num_threads(1)
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        self.tokenizer = Tokenizer.from_dir(self.config.model)  # no transformers, no torch
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = max_prompt_chars(longest, self.config.max_model_len)
         router, self.zap = bind_client_router(self.ctx, self.config)

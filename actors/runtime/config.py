@@ -22,6 +22,7 @@ from msgspec import Meta
 from .addresses import Addresses
 from .model_config import ModelConfig, ModelFacts
 from .sharding import ShardLayout
+from .tokenizer import tokenizer_file
 
 NOT_A_FLAG = {"flag": False}  # Meta.extra of a field the program resolves, not a user setting
 
@@ -325,7 +326,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def resolve_model(self) -> EngineConfig:
         """Fill `facts` and `max_model_len` from the checkpoint's JSON files (ValueError naming
-        the field of a model that tensor_parallel_size does not split, before any rank starts)."""
+        the field of a model that tensor_parallel_size does not split, before any rank starts;
+        or naming tokenizer.json, which the Engine and the gateway read, when it is missing)."""
         facts = ModelFacts.read(self.model)
         if self.tensor_parallel_size > 1:
             ShardLayout.of(ModelConfig.from_dir(self.model), 0, self.tensor_parallel_size)
@@ -335,6 +337,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"max_model_len must be <= the model's max_position_embeddings "
                 f"({facts.max_position_embeddings}), got {max_len}"
             )
+        tokenizer_file(self.model)
         return msgspec.structs.replace(self, facts=facts, max_model_len=max_len)
 
     def resolve_device(self, device_type: str) -> EngineConfig:

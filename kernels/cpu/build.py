@@ -3,10 +3,13 @@
 Built with the machine's C compiler ($CC, else cc or gcc) on first use into a per-user cache
 ($ACTORSERVE_KERNEL_CACHE, else $XDG_CACHE_HOME/actorserve/kernels), named by a hash of the
 sources, the flags, the compiler and the CPU, so a changed file or another machine never loads a
-stale library (a new build removes the older ones). The library is linked against the OpenMP
-runtime that torch already has loaded (libgomp.so.1 is matched by soname), so the kernels and
-torch share one thread pool. The sources are found next to this module, so an editable install
-and a wheel both build from the files they ship (pyproject.toml's package-data).
+stale library. A new build keeps the KEPT_BUILDS most recently used libraries and removes the
+rest: checkouts or versions that share the cache (a developer's worktrees, an upgrade installed
+beside a running server) each keep theirs, so a restarted Worker loads its library instead of
+compiling it again. The library is linked against the OpenMP runtime that torch already has
+loaded (libgomp.so.1 is matched by soname), so the kernels and torch share one thread pool. The
+sources are found next to this module, so an editable install and a wheel both build from the
+files they ship (pyproject.toml's package-data).
 
 What each source holds: cpu_decode.c and cpu_prefill.c (decode and prefill attention reading the
 paged cache directly, with cpu_attention.h), cpu_decode_bf16.c (a decode's work over a bf16
@@ -55,6 +58,7 @@ HEADERS = tuple(
 )
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm")
 CACHE_ENV = "ACTORSERVE_KERNEL_CACHE"
+KEPT_BUILDS = 4
 
 
 def cache_dir() -> Path:
@@ -97,6 +101,7 @@ def build() -> Path | None:
     ).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
+        _mark_used(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -106,7 +111,26 @@ def build() -> Path | None:
         if result.returncode != 0:
             raise RuntimeError(f"{given} failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: concurrent builders each install a whole file
-    for stale in target.parent.glob("cpu_kernels-*.so"):
-        if stale != target:  # a process that loaded it keeps its mapping
-            stale.unlink(missing_ok=True)
+    prune(target.parent)
     return target
+
+
+def _mark_used(library: Path) -> None:
+    """Its modification time is its last use, which prune() keeps the most recent of."""
+    try:
+        os.utime(library)
+    except OSError:  # a read-only cache: nothing builds there either
+        pass
+
+
+def prune(directory: Path, keep: int = KEPT_BUILDS) -> None:
+    """Remove all but the `keep` most recently used libraries (a process that loaded one keeps
+    its mapping)."""
+    libraries = []
+    for path in directory.glob("cpu_kernels-*.so"):
+        try:
+            libraries.append((path.stat().st_mtime, path))
+        except OSError:  # removed meanwhile by another builder
+            continue
+    for _, stale in sorted(libraries, reverse=True)[keep:]:
+        stale.unlink(missing_ok=True)

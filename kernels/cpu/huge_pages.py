@@ -6,12 +6,20 @@ bytes are ~65 TLB entries. The kernel hands out huge pages only where asked (`ma
 default here) and only on first touch, so a tensor is advised while empty and filled after.
 How much it saves depends on how the host backs the guest's memory, so it is a setting:
 EngineConfig.transparent_huge_pages=False leaves every tensor on small pages (for A/B runs).
+
+`zeros` (the KV cache) touches nothing: its memory is a private anonymous mapping, which the
+kernel fills with zeros page by page as it is first used. Writing the zeros at start would fault
+in every page of a cache most of which a fresh server does not use yet (a GiB on CPU by
+default): seconds of every Worker start and restart, more where the kernel has to compact
+memory into huge pages first. Each page is paid for once, when a step first writes to it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import mmap
 import sys
 
 import torch
@@ -37,13 +45,28 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = True) -> torc
     """An uninitialised CPU tensor whose whole 2 MiB-aligned pages are advised huge where `huge`
     (best effort: a kernel without THP, or a tensor under 2 MiB, just gets small pages)."""
     tensor = torch.empty(shape, dtype=dtype)
-    madvise = _madvise() if huge else None
-    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
-    first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
-    if madvise is not None and last > first:
-        madvise(first, last - first, MADV_HUGEPAGE)
+    if huge:
+        _advise(tensor)
     return tensor
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = True) -> torch.Tensor:
-    return empty(shape, dtype, huge).zero_()
+    """A zero CPU tensor none of whose pages is touched yet (the module docstring), advised
+    huge where `huge`."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0 or not sys.platform.startswith("linux"):
+        return torch.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    tensor = torch.frombuffer(memory, dtype=dtype).view(shape)  # holds `memory` alive
+    if huge:
+        _advise(tensor)
+    return tensor
+
+
+def _advise(tensor: torch.Tensor) -> None:
+    """madvise(MADV_HUGEPAGE) the whole 2 MiB pages of `tensor`'s memory (best effort)."""
+    madvise = _madvise()
+    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+    if madvise is not None and last > first:
+        madvise(first, last - first, MADV_HUGEPAGE)

@@ -88,13 +88,17 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        cos, sin = self._tables(None)
+        device = torch.empty(0).device  # the default device, meta included
+        if device.type == "meta":  # shapes only, for rebuild() to fill on the model's device:
+            # arithmetic on meta runs torch's Python reference kernels (they import torch._dynamo)
+            cos = sin = torch.empty(config.max_position_embeddings, config.head_dim)
+        else:
+            cos, sin = self._tables(device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _tables(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        device = device or torch.empty(0).device  # the default device, meta included
         inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(device)
         positions = torch.arange(c.max_position_embeddings, device=device).float()
         freqs = positions[:, None] * inv_freq[None, :]
@@ -218,7 +222,11 @@ class DecoderModel(nn.Module):
     ) -> None:
         """`rows`: this rank's rows of the (padded) vocabulary."""
         super().__init__()
-        self.embed_tokens = nn.Embedding(rows, config.hidden_size)
+        # No initial values: the loader assigns every weight. Embedding's own init (normal_) on
+        # the meta device runs torch's Python reference kernels, which import torch._dynamo: a
+        # restart would pay that import for values it throws away.
+        weight = torch.empty(rows, config.hidden_size)
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
             DecoderLayer(config, ops, elementwise, tp) for _ in range(config.num_layers)
         )
