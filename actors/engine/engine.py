@@ -51,7 +51,7 @@ from ...messages.client import (
 )
 from ...messages.codec import DecodeError, Decoder, EngineInbox, peek_request_id
 from ...messages.common import FinishReason, max_prompt_chars
-from ...messages.control import ActorStatus, Drain, Drained, Recover, Roster
+from ...messages.control import Drain, Drained, Recover, Roster, RosterEntry
 from ...messages.step import AbortRequests, StatsQuery, StatsReply, TokensOut
 from ..runtime.actor import YIELD_EVERY, Actor, ErrorThrottle, LoopSocket, actor_main
 from ..runtime.grammars import CheckedSpecs
@@ -86,7 +86,7 @@ class Engine(Actor):
         self.journal = Journal()
         self.heard: dict[bytes, float] = {}  # client identity -> when it last sent anything
         self.health = HealthQueries()  # waiting for the Scheduler's stats
-        self.roster: list[ActorStatus] = []
+        self.roster: list[RosterEntry] = []  # the supervisor's last
         self.client_decoder = Decoder(ClientToEngine)
         self.quarantine = Quarantine(config.poison_crashes)
         self.checked_specs = CheckedSpecs()  # structured outputs' grammars known to parse
