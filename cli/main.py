@@ -124,13 +124,13 @@ def run_status(args: argparse.Namespace) -> int:
         return 1
     print(
         f"{'actor':<14}{'pid':>8}  {'state':<11}{'for':>9}{'restarts':>9}{'heartbeat age':>15}"
-        f"{'errors':>8}  last exit"
+        f"  {'last exit':<20}{'errors':>6}"
     )
     for actor in health.actors:
         print(
             f"{actor.name:<14}{actor.pid:>8}  {actor.state:<11}{actor.state_age_s:>8.2f}s"
-            f"{actor.restarts:>9}{actor.heartbeat_age_s:>14.2f}s{actor.errors:>8}  "
-            f"{exit_description(actor.exit_code)}"
+            f"{actor.restarts:>9}{actor.heartbeat_age_s:>14.2f}s  "
+            f"{exit_description(actor.exit_code):<20}{actor.errors:>6}"
         )
     s = health.stats
     print(
