@@ -43,7 +43,12 @@ def test_the_settings_that_are_not_flags_are_the_resolved_ones():
     assert resolved == {"epoch", "curve_gateway_key", "addresses", "facts"}
     resolved = {n for n, k in fields_of(GatewaySettings).items() if k.extra == NOT_A_FLAG}
     assert resolved == {
-        "model_id", "model_dir", "max_model_len", "vocab_size", "block_size", "send_timeout_s"
+        "model_id",
+        "model_dir",
+        "max_model_len",
+        "vocab_size",
+        "block_size",
+        "send_timeout_s",
     }
 
 
