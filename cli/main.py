@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import time
 
@@ -111,8 +112,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    """Print each actor's name, PID, state, restarts, heartbeat age and the messages it could not
-    handle, and the engine's stats."""
+    """Print each actor's name, PID, state and how long it has been in it, restarts, heartbeat
+    age, the messages it could not handle and how its last process ended, and the engine's
+    stats. Exit 1 unless every actor is ready (a restart in progress, no answer)."""
     try:
         options = client_options(args.curve_server_public_key, args.curve_client_key)
         with Client(args.address, **options) as client:
@@ -121,12 +123,14 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"actorserve status: {exc}", file=sys.stderr)
         return 1
     print(
-        f"{'actor':<14}{'pid':>8}  {'state':<11}{'restarts':>9}{'heartbeat age':>15}{'errors':>8}"
+        f"{'actor':<14}{'pid':>8}  {'state':<11}{'for':>9}{'restarts':>9}{'heartbeat age':>15}"
+        f"  {'last exit':<20}{'errors':>6}"
     )
     for actor in health.actors:
         print(
-            f"{actor.name:<14}{actor.pid:>8}  {actor.state:<11}{actor.restarts:>9}"
-            f"{actor.heartbeat_age_s:>14.2f}s{actor.errors:>8}"
+            f"{actor.name:<14}{actor.pid:>8}  {actor.state:<11}{actor.state_age_s:>8.2f}s"
+            f"{actor.restarts:>9}{actor.heartbeat_age_s:>14.2f}s  "
+            f"{exit_description(actor.exit_code):<20}{actor.errors:>6}"
         )
     s = health.stats
     print(
@@ -134,6 +138,18 @@ def run_status(args: argparse.Namespace) -> int:
         f"{s.num_preemptions}; KV blocks {s.blocks_used}/{s.blocks_total} used"
     )
     return 0 if health.ok else 1
+
+
+def exit_description(code: int | None) -> str:
+    """A process's exit as `Popen.returncode` gives it: "-", "code 70", "signal 9 (SIGKILL)"."""
+    if code is None:
+        return "-"
+    if code >= 0:
+        return f"code {code}"
+    try:
+        return f"signal {-code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return f"signal {-code}"
 
 
 def add_client_key_flags(parser: argparse.ArgumentParser) -> None:

@@ -264,5 +264,6 @@ def gateway_settings(args: argparse.Namespace, config: EngineConfig) -> GatewayS
         max_model_len=config.max_model_len,
         vocab_size=config.facts.vocab_size,
         block_size=config.block_size,
+        send_timeout_s=config.send_timeout_s,
         **given,
     )

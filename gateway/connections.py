@@ -15,10 +15,13 @@ Three holes, closed by the protocol subclasses here (uvicorn's h11 and websocket
    sent); else a 408 (nothing at all sent: just closed). The body's deadline is read_body's.
 2. A client that stops reading fills the kernel's buffers, the transport pauses writing, and
    every send on it waits: a response or a WebSocket stream, with it the request in the Engine
-   and its admission slot, and uvicorn's close() waits for the buffer to drain as well. Here a
-   connection whose writing stays paused for send_timeout_s is aborted: connection_lost wakes
-   each waiting send as a disconnect, and the routes abort their requests on the way out.
-   A WebSocket peer that answers no keep-alive ping is aborted the same way.
+   and its admission slot, and uvicorn's close() waits for the buffer to drain as well. Before
+   that, the kernel's send buffer may take megabytes: a stream nobody reads runs on to its end.
+   Here a connection whose peer has taken none of our output for send_timeout_s is aborted:
+   output waits and the peer's acknowledged bytes have not moved (send_progress.py: where the
+   kernel does not say, its writing has stayed paused). connection_lost wakes each waiting
+   send as a disconnect, and the routes abort their requests on the way out. A WebSocket peer
+   that answers no keep-alive ping is aborted the same way.
 3. h11's max_incomplete_event_size bounds a head only while it is incomplete: one that comes
    whole in one read passed at any size. Here a head over max_header_bytes, however it came,
    gets a 431 naming the limit; a malformed one a 400 (uvicorn: plain text), both in OpenAI's
@@ -37,6 +40,7 @@ from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from .openai_errors import APIError
+from .send_progress import peer_progress
 from .service import GatewaySettings
 
 log = logging.getLogger("gateway")
@@ -62,9 +66,42 @@ class GatewayConfig(uvicorn.Config):
 
 class _AbortStuckWrites:
     """Hole 2 above, for either protocol: both get pause_writing / resume_writing from the
-    transport and have `config`, `loop`, `transport` and `client`."""
+    transport and have `config`, `loop`, `transport` and `client`. The peer's progress is
+    looked at every quarter of send_timeout_s (at most every second)."""
 
     _stuck: asyncio.TimerHandle | None = None
+    _watch: asyncio.TimerHandle | None = None
+    _acked = -1
+    _progress_at = 0.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._progress_at = self.loop.time()
+        self._watch_peer()
+
+    def _watch_peer(self) -> None:
+        self._watch = None
+        if self.transport.is_closing():
+            return
+        sock = self.transport.get_extra_info("socket")
+        progress = peer_progress(sock) if sock is not None else None
+        if progress is None:
+            return  # the kernel does not say: the paused writing's timer alone
+        acked, unacknowledged = progress
+        now = self.loop.time()
+        waiting = unacknowledged > 0 or self.transport.get_write_buffer_size() > 0
+        timeout = self.config.settings.send_timeout_s
+        if acked != self._acked or not waiting:
+            self._acked, self._progress_at = acked, now
+        elif now - self._progress_at >= timeout:
+            self._abort_stuck()
+            return
+        self._watch = self.loop.call_later(min(timeout / 4, 1.0), self._watch_peer)
+
+    def _stop_watching(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -78,6 +115,7 @@ class _AbortStuckWrites:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_stuck()
+        self._stop_watching()
         super().connection_lost(exc)
 
     def _cancel_stuck(self) -> None:
@@ -86,7 +124,8 @@ class _AbortStuckWrites:
             self._stuck = None
 
     def _abort_stuck(self) -> None:
-        self._stuck = None
+        self._cancel_stuck()
+        self._stop_watching()
         log.warning(
             "dropping the connection of %s: it took none of our output for %g s (send_timeout_s)",
             self.client,
@@ -141,6 +180,8 @@ class HTTPProtocol(_AbortStuckWrites, H11Protocol):
 
     def handle_websocket_upgrade(self, event) -> None:
         self._cancel_head_deadline()  # the WebSocket protocol takes the connection over
+        self._stop_watching()  # it watches the peer from now on
+        self._cancel_stuck()
         super().handle_websocket_upgrade(event)
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -5,8 +5,11 @@
              health_timeout_s: 200 {"status": "ok"}, or "degraded" while an actor restarts (the
              supervisor is on it; a liveness check failing then would get the whole server
              killed); 503 when the Engine does not answer, or while draining.
-    /ready   one greedy token goes through every actor within health_timeout_s: 200
-             {"status": "ok", "probe_s"}; 503 {"status": "degraded" | "unavailable"} otherwise.
+    /ready   every actor is ready in /health's answer (the supervisor's roster: an actor is
+             `restarting` from the moment its death is noticed), and one greedy token goes
+             through every actor within health_timeout_s: 200 {"status": "ok", "probe_s"};
+             503 {"status": "degraded" | "unavailable"} otherwise. While an actor is down it
+             answers from the roster at once, not after a probe that waits out the restart.
 
 Both are open (load balancers call them without the API key), so the actors' PIDs and the
 Engine's counters are in the body only for a caller that sends the key, or when none is set.
@@ -75,17 +78,33 @@ class HealthChecks:
         self.readiness = RateLimited(self._readiness, settings.health_interval_s)
 
     async def respond(
-        self, check: RateLimited[Answer], draining: bool, authorized: bool
+        self, check: Callable[[], Awaitable[Answer]], draining: bool, authorized: bool
     ) -> Response:
+        """`check`: `live` or `ready`."""
         if draining:
             return json_response(
                 {"status": "draining", "error": "the server is shutting down"}, 503
             )
-        answer = await check.get()
+        answer = await check()
         body = {**answer.public, "age_s": round(time.monotonic() - answer.at, 3)}
         if authorized:
             body.update(answer.private)
         return json_response(body, answer.status)
+
+    async def live(self) -> Answer:
+        return await self.liveness.get()
+
+    async def ready(self) -> Answer:
+        """/health's answer while the Engine does not answer or an actor is not ready (503),
+        else the probe's."""
+        live = await self.liveness.get()
+        if live.status != 200:
+            return live
+        if live.public["status"] != "ok":
+            down = [a for a in live.private["actors"] if a["state"] != "ready"]
+            error = ", ".join(f"{a['name']} {a['state']}" for a in down) or "no engine stats"
+            return Answer(503, {"status": "degraded", "error": error}, live.private, live.at)
+        return await self.readiness.get()
 
     def _unavailable(self, exc: EngineError) -> dict:
         """The public error of a failed check. The SDK's own timeouts name the Engine's address,

@@ -7,8 +7,8 @@
     POST /v1/chat/completions    OpenAI-compatible, the checkpoint's chat template
     GET  /v1/models              the one served model
     GET  /health                 liveness: the Engine answers (no generation); see health.py
-    GET  /ready                  readiness: one token through every actor, at most once per
-                                 health_interval_s
+    GET  /ready                  readiness: every actor ready, and one token through them all
+                                 (at most once per health_interval_s)
     GET  /metrics                Prometheus text format
     GET  /v1/stats               the engine's load now and over the last minutes, JSON (the
                                  playground's charts; see live_stats.py)
@@ -108,12 +108,12 @@ def create_app(client: ReplicaSet, settings: GatewaySettings, chat) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> Response:
         authorized = has_api_key(request.headers, settings.api_key)
-        return await checks.respond(checks.liveness, gateway.draining, authorized)
+        return await checks.respond(checks.live, gateway.draining, authorized)
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:
         authorized = has_api_key(request.headers, settings.api_key)
-        return await checks.respond(checks.readiness, gateway.draining, authorized)
+        return await checks.respond(checks.ready, gateway.draining, authorized)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -42,6 +42,14 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     max_model_len: Annotated[int, Meta(description="the engine's", extra=NOT_A_FLAG)]
     vocab_size: Annotated[int, Meta(description="the model's", extra=NOT_A_FLAG)]
     block_size: Annotated[int, Meta(description="the engine's", extra=NOT_A_FLAG)] = 16
+    send_timeout_s: Annotated[
+        float,
+        Meta(
+            description="the engine's: drop a connection that takes none of our output for "
+            "this long, aborting its requests",
+            extra=NOT_A_FLAG,
+        ),
+    ] = 30.0
     api_key: Annotated[
         str | None,
         Meta(description="require 'Authorization: Bearer KEY'; unset: $ACTORSERVE_API_KEY if set"),
@@ -73,13 +81,6 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     max_header_bytes: Annotated[
         int, Meta(description="longest request line + headers; over it, 431")
     ] = 16 * 1024
-    send_timeout_s: Annotated[
-        float,
-        Meta(
-            description="drop a connection that takes none of our output for this long, aborting "
-            "its requests"
-        ),
-    ] = 30.0
     max_requests_per_socket: Annotated[
         int, Meta(description="live requests on one WebSocket; a generate over it gets an error")
     ] = 64

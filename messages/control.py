@@ -37,13 +37,49 @@ class Stop(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
 
 
 class ActorStatus(msgspec.Struct, omit_defaults=True):
+    """One supervised process as a health reply shows it, its ages as of that reply."""
+
     name: str
-    pid: int
+    pid: int  # while restarting: the process that died
     state: str  # starting | ready | restarting | exited
     restarts: int = 0
-    heartbeat_age_s: float = 0.0
+    heartbeat_age_s: float = 0.0  # since the supervisor last heard it (at most one roster late)
     last_recovery_s: float = 0.0  # death noticed -> replacement Ready and state reset
     errors: int = 0  # messages it could not decode or handle (ActorError), since it started
+    exit_code: int | None = None  # of its last death: its status, or -N for signal N
+    state_age_s: float = 0.0  # in this state (restarting: since its death was noticed)
+
+
+class RosterEntry(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One supervised process as the supervisor sends it to the Engine: instants, not ages, so
+    the Engine computes each age when it answers (a roster's ages would be frozen at its send).
+    The instants are `time.monotonic()` of the supervisor's host, one clock for every process
+    on it; the Engine is the supervisor's child, so it reads the same clock. (A client may be
+    on another host: it gets ages, never these instants.)"""
+
+    name: str
+    pid: int
+    state: str
+    heartbeat_at: float  # the last heartbeat (restarting: the dead process's last)
+    state_since: float
+    restarts: int = 0
+    last_recovery_s: float = 0.0
+    errors: int = 0
+    exit_code: int | None = None
+
+    def status(self, now: float) -> ActorStatus:
+        """As seen at `now` (the same clock's)."""
+        return ActorStatus(
+            self.name,
+            self.pid,
+            self.state,
+            self.restarts,
+            round(max(0.0, now - self.heartbeat_at), 3),
+            round(self.last_recovery_s, 3),
+            self.errors,
+            self.exit_code,
+            round(max(0.0, now - self.state_since), 3),
+        )
 
 
 class Reset(msgspec.Struct, tag=True, array_like=True):
@@ -76,9 +112,10 @@ class Drained(msgspec.Struct, tag=True, array_like=True):
 
 
 class Roster(msgspec.Struct, tag=True, array_like=True):
-    """The supervisor's view of its actors, pushed to the Engine for health replies."""
+    """The supervisor's view of its actors, pushed to the Engine for health replies: every
+    heartbeat interval, and at once when one dies, is replaced or is Ready."""
 
-    actors: list[ActorStatus]
+    actors: list[RosterEntry]
 
 
 ToSupervisor = Ready | Heartbeat | ActorError | Drained

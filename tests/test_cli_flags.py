@@ -42,7 +42,14 @@ def test_the_settings_that_are_not_flags_are_the_resolved_ones():
     resolved = {n for n, k in fields_of(EngineConfig).items() if k.extra == NOT_A_FLAG}
     assert resolved == {"epoch", "curve_gateway_key", "addresses", "facts"}
     resolved = {n for n, k in fields_of(GatewaySettings).items() if k.extra == NOT_A_FLAG}
-    assert resolved == {"model_id", "model_dir", "max_model_len", "vocab_size", "block_size"}
+    assert resolved == {
+        "model_id",
+        "model_dir",
+        "max_model_len",
+        "vocab_size",
+        "block_size",
+        "send_timeout_s",
+    }
 
 
 @pytest.mark.parametrize("struct", [EngineConfig, GatewaySettings])
@@ -110,6 +117,20 @@ def test_gateway_flags_round_trip_into_its_settings(monkeypatch):
     assert settings.api_key is None
     monkeypatch.setenv("ACTORSERVE_API_KEY", "k")
     assert gateway_settings(serve_args(), config).api_key == "k"
+
+
+def test_one_send_timeout_holds_for_every_door():
+    """--send-timeout-s: the Engine's, for SDK clients, and the gateway's, for HTTP and
+    WebSocket ones."""
+    args = serve_args("--send-timeout-s", "2.5")
+    config = msgspec.structs.replace(
+        cli.engine_config(args),
+        facts=ModelFacts(vocab_size=1000, max_position_embeddings=128, eos_token_ids=[2]),
+    )
+    assert config.send_timeout_s == 2.5
+    assert gateway_settings(args, config).send_timeout_s == 2.5
+    with pytest.raises(ValueError, match="send_timeout_s must be > 0"):
+        EngineConfig(model="/ckpt", send_timeout_s=0).validate()
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,11 @@ instead of dropping the message, and a send to a client that went away says so (
   its other replies (errors, pongs, health) wait in a list of at most MAX_HELD_REPLIES.
 - A client gone: `on_gone(identity)` is called (the Engine aborts that client's requests) and
   whatever waited for it is dropped.
+- A client that takes nothing: one whose queue stays full, nothing of what waits going out, for
+  `send_timeout_s` is treated as gone. A stream's tokens are of no use to a client that does not
+  read them, and its requests would hold their KV blocks and batch seats for as long as they
+  run. A slow reader that takes something now and then keeps its requests: what waits for it
+  stays bounded by their output.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import time
 from collections.abc import Callable
 
 import zmq
@@ -35,6 +41,7 @@ class _Held:
     into one message only when there is room for it."""
 
     def __init__(self):
+        self.took_at = time.monotonic()  # when the client last took a message (or was refused)
         self.refused: bytes | None = None
         self.deltas: dict[tuple[str, int], list[Delta]] = {}
         self.replies: list = []
@@ -61,11 +68,13 @@ class ClientOutbox:
         self,
         router: LoopSocket,
         on_gone: Callable[[bytes], None],
+        send_timeout_s: float,
         retry_s: float = 0.005,
         max_retry_s: float = 0.2,
     ):
         self.router = router
         self.on_gone = on_gone
+        self.send_timeout_s = send_timeout_s
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
         self.held: dict[bytes, _Held] = {}
@@ -126,15 +135,20 @@ class ClientOutbox:
             self._retry = asyncio.get_running_loop().call_later(self._delay, self._flush)
 
     def _flush(self) -> None:
-        """Send what waits, in order, as far as each client's queue takes it."""
+        """Send what waits, in order, as far as each client's queue takes it; a client that
+        has taken nothing for send_timeout_s is gone."""
         self._retry = None
         progress = False
+        now = time.monotonic()
         for identity, held in list(self.held.items()):
             while (data := held.next_message()) is not None:
                 if not self._try(identity, data):
                     held.refused = data
+                    if now - held.took_at >= self.send_timeout_s:
+                        self._stalled(identity)
                     break
                 progress = True
+                held.took_at = now
                 if identity not in self.held:
                     break  # it went away
             else:
@@ -142,3 +156,12 @@ class ClientOutbox:
                     del self.held[identity]
         self._delay = self.retry_s if progress else min(2 * self._delay, self.max_retry_s)
         self._schedule()
+
+    def _stalled(self, identity: bytes) -> None:
+        log.warning(
+            "client %s took none of its replies for %g s (send_timeout_s): aborting its requests",
+            identity.hex(),
+            self.send_timeout_s,
+        )
+        self.forget(identity)
+        self.on_gone(identity)

@@ -20,8 +20,8 @@ re-submits what it was receiving as a resumption (GenerateRequest.resume).
 Ownership: a request belongs to the client identity (ROUTER routing id) that sent it. Its id in
 the engine is `key(identity, request_id)`: ids of different clients never collide, and
 AbortRequest and Ping act on the sender's own requests only. A client that goes away (a send to
-it fails) or sends nothing for client_lease_s (the SDK pings every second while it streams) has
-its requests aborted: nothing runs on for nobody.
+it fails), takes none of its replies for send_timeout_s, or sends nothing for client_lease_s (the
+SDK pings every second while it streams) has its requests aborted: nothing runs for nobody.
 
 Parallel samples: a GenerateRequest with n > 1 fans out into n child requests (live_request.py),
 each journaled and resumed like any request; aborting the client's id aborts every child. Sample
@@ -51,7 +51,7 @@ from ...messages.client import (
 )
 from ...messages.codec import DecodeError, Decoder, EngineInbox, peek_request_id
 from ...messages.common import FinishReason, max_prompt_chars
-from ...messages.control import ActorStatus, Drain, Drained, Recover, Roster
+from ...messages.control import Drain, Drained, Recover, Roster, RosterEntry
 from ...messages.step import AbortRequests, StatsQuery, StatsReply, TokensOut
 from ..runtime.actor import YIELD_EVERY, Actor, ErrorThrottle, LoopSocket, actor_main
 from ..runtime.grammars import CheckedSpecs
@@ -87,7 +87,7 @@ class Engine(Actor):
         self.journal = Journal()
         self.heard: dict[bytes, float] = {}  # client identity -> when it last sent anything
         self.health = HealthQueries()  # waiting for the Scheduler's stats
-        self.roster: list[ActorStatus] = []
+        self.roster: list[RosterEntry] = []  # the supervisor's last
         self.client_decoder = Decoder(ClientToEngine)
         self.quarantine = Quarantine(config.poison_crashes)
         self.checked_specs = CheckedSpecs()  # structured outputs' grammars known to parse
@@ -101,7 +101,7 @@ class Engine(Actor):
         self.max_prompt_chars = max_prompt_chars(longest, self.config.max_model_len)
         router, self.zap = bind_client_router(self.ctx, self.config)
         self.router = LoopSocket(router)
-        self.outbox = ClientOutbox(self.router, self._client_gone)
+        self.outbox = ClientOutbox(self.router, self._client_gone, self.config.send_timeout_s)
 
     async def teardown(self) -> None:
         for live in self.journal.live.values():
@@ -261,8 +261,8 @@ class Engine(Actor):
     # -- clients that went away --------------------------------------------------------------
 
     def _client_gone(self, identity: bytes, tell_client: bool = False) -> None:
-        """A send to this client failed (EHOSTUNREACH), or it fell silent: abort its requests
-        (telling it, in case it is only stalled)."""
+        """A send to this client failed (EHOSTUNREACH) or it took nothing for send_timeout_s
+        (client_outbox.py), or it fell silent: abort its requests (telling it, if silent)."""
         self.heard.pop(identity, None)
         ids = self.journal.of_client(identity)
         if ids:

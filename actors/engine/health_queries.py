@@ -1,13 +1,17 @@
 """The Engine's health requests waiting for the Scheduler's stats.
 
 Each is answered once: with the stats, or (the Scheduler or BlockManager did not answer within
-the Engine's STATS_TIMEOUT_S, e.g. while restarting) without them, and then not ok.
+the Engine's STATS_TIMEOUT_S, e.g. while restarting) without them, and then not ok. The
+supervisor's roster gives instants (messages/control.py RosterEntry): the ages in the reply are
+computed here, when it is answered.
 """
 
 from __future__ import annotations
 
+import time
+
 from ...messages.client import EngineStats, HealthReply
-from ...messages.control import ActorStatus
+from ...messages.control import RosterEntry
 
 
 class HealthQueries:
@@ -23,7 +27,7 @@ class HealthQueries:
         return query_id
 
     def answer(
-        self, query_id: str, stats: EngineStats | None, roster: list[ActorStatus]
+        self, query_id: str, stats: EngineStats | None, roster: list[RosterEntry]
     ) -> tuple[bytes, HealthReply] | None:
         """The reply and its client, or None where the query was answered already. Ok: stats
         came, and every actor in the supervisor's roster is ready."""
@@ -31,5 +35,7 @@ class HealthQueries:
         if waiter is None:
             return None
         identity, request_id = waiter
-        ok = stats is not None and bool(roster) and all(a.state == "ready" for a in roster)
-        return identity, HealthReply(request_id, ok, stats or EngineStats(), roster)
+        now = time.monotonic()
+        actors = [entry.status(now) for entry in roster]
+        ok = stats is not None and bool(actors) and all(a.state == "ready" for a in actors)
+        return identity, HealthReply(request_id, ok, stats or EngineStats(), actors)

@@ -111,6 +111,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     client_lease_s: Annotated[
         float, Meta(description="a client silent this long has its requests aborted")
     ] = 30.0
+    send_timeout_s: Annotated[
+        float,
+        Meta(
+            description="a client that takes none of our output for this long (SDK, HTTP, "
+            "WebSocket) has its requests aborted, and over HTTP its connection dropped"
+        ),
+    ] = 30.0
     poison_crashes: Annotated[
         int, Meta(description="a request in flight at this many crashes of an actor is failed")
     ] = 2
@@ -307,6 +314,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("priority_max", self.priority_max >= self.priority_min, ">= priority_min"),
             ("poison_crashes", self.poison_crashes >= 1, ">= 1"),
             ("client_lease_s", self.client_lease_s > 0, "> 0"),
+            ("send_timeout_s", self.send_timeout_s > 0, "> 0"),
             ("client_queue_messages", self.client_queue_messages >= 1, ">= 1"),
             ("final_only_flush_s", self.final_only_flush_s >= 0, ">= 0"),
             one_of("preemption_mode", PreemptionMode),

@@ -13,7 +13,7 @@ from collections import deque
 
 import msgspec
 
-from ...messages.control import ActorStatus, Ready
+from ...messages.control import Ready, RosterEntry
 
 MODULES = {
     "engine": "actorserve.actors.engine.engine",
@@ -38,16 +38,30 @@ def restart_delay(recent_deaths: int) -> float:
     return min(0.05 * 2**recent_deaths, 5.0)
 
 
+class Death(msgspec.Struct, frozen=True):
+    """A process's death as the supervisor noticed it (times: its time.monotonic())."""
+
+    pid: int
+    exit_code: int  # Popen's returncode: -N when signal N killed it
+    noticed_at: float
+    last_beat: float
+
+
 class ActorProcess:
-    """One actor's current process and its history (restarts survive the process)."""
+    """One actor's current process and its history (restarts survive the process). From the
+    moment its death is noticed until the replacement is Ready and the step state reset, it
+    is `restarting`, shown with the dead process's PID and exit code."""
 
     def __init__(self, name: str, process: subprocess.Popen, previous: ActorProcess | None = None):
         self.name = name
         self.process = process
         self.ready: Ready | None = None
-        self.last_beat = time.monotonic()
+        self.started_at = self.last_beat = time.monotonic()
+        self.ready_at = 0.0
+        self.exited_at: float | None = None  # when a status first found it gone
         self.errors = 0
-        self.restarting = False
+        self.restarting = previous.restarting if previous else False
+        self.death: Death | None = previous.death if previous else None
         self.restart_times: deque[float] = previous.restart_times if previous else deque()
         self.restarts = previous.restarts if previous else 0
         self.last_recovery_s = previous.last_recovery_s if previous else 0.0
@@ -93,19 +107,39 @@ class ActorProcess:
             await asyncio.sleep(0.02)
         return True
 
-    def status(self) -> ActorStatus:
-        alive = self.process.poll() is None
+    def died(self, exit_code: int, noticed_at: float) -> None:
+        """Its death is noticed: restarting (one restart more) from now until `recovered`."""
+        self.death = Death(self.process.pid, exit_code, noticed_at, self.last_beat)
+        self.restarting = True
+        self.restarts += 1
+
+    def recovered(self, seconds: float) -> None:
+        self.restarting = False
+        self.last_recovery_s = seconds
+
+    def entry(self) -> RosterEntry:
+        """Its line of the roster, as of now."""
+        code = self.process.poll()
+        pid, beat = self.process.pid, self.last_beat
+        exit_code = self.death.exit_code if self.death else None
         if self.restarting:
-            state = "restarting"
+            state, since = "restarting", self.death.noticed_at
+            pid, beat = self.death.pid, self.death.last_beat
+        elif code is not None:
+            state, exit_code = "exited", code
+            since = self.exited_at = self.exited_at or time.monotonic()
+        elif self.ready:
+            state, since = "ready", self.ready_at
         else:
-            state = ("ready" if self.ready else "starting") if alive else "exited"
-        age = round(time.monotonic() - self.last_beat, 3)
-        return ActorStatus(
+            state, since = "starting", self.started_at
+        return RosterEntry(
             self.name,
-            self.process.pid,
+            pid,
             state,
+            beat,
+            since,
             self.restarts,
-            age,
-            round(self.last_recovery_s, 3),
+            self.last_recovery_s,
             self.errors,
+            exit_code,
         )

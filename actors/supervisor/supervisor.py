@@ -117,7 +117,7 @@ class Supervisor:
         except BaseException:
             await self.stop()
             raise
-        self._send_roster()
+        self._tasks.append(asyncio.create_task(self._publish_roster()))
         self._tasks.append(asyncio.create_task(self._monitor()))
         log.info(
             "serving %s at %s (pids: %s)",
@@ -189,6 +189,7 @@ class Supervisor:
         actor.last_beat = time.monotonic()
         if isinstance(message, Ready):
             actor.ready = message
+            actor.ready_at = actor.last_beat
             self._ready_changed.set()
         elif isinstance(message, Drained) and message.actor == "engine":
             self._drained.set()
@@ -201,7 +202,6 @@ class Supervisor:
 
     async def _monitor(self) -> None:
         interval = self.config.heartbeat_interval_s
-        next_roster = time.monotonic() + interval
         while True:
             for actor in list(self.actors.values()):
                 code = actor.process.poll()
@@ -219,14 +219,21 @@ class Supervisor:
                     await self._restart(actor, code)
                     if self._done.is_set():
                         return
-            if time.monotonic() >= next_roster:
-                self._send_roster()
-                next_roster = time.monotonic() + interval
             await asyncio.sleep(0.05)
+
+    async def _publish_roster(self) -> None:
+        """The roster every heartbeat interval, restarts or not (its heartbeat instants), on a
+        task of its own: the monitor waits out a restart, and the Engine must hear meanwhile
+        how the others are. Changes (a death, a recovery) are sent at once besides."""
+        while True:
+            self._send_roster()
+            await asyncio.sleep(self.config.heartbeat_interval_s)
 
     async def _restart(self, actor: ActorProcess, code: int) -> None:
         """Replace a dead actor, then reset the step state everywhere (see the module doc)."""
         noticed = time.monotonic()
+        actor.died(code, noticed)
+        self._send_roster()  # health replies say so from now on, not once it is back
         window = self.config.restart_window_s
         recent = actor.recent_deaths(noticed, window)
         if recent >= self.config.max_restarts:
@@ -248,12 +255,10 @@ class Supervisor:
             recent + 1,
             window,
         )
-        actor.restarting = True
         actor.restart_times.append(noticed)
         await asyncio.sleep(delay)
         self._spawn(actor.name, restart=True)
         replacement = self.actors[actor.name]
-        replacement.restarts += 1
         try:
             await self._wait_ready(actor.name)
         except SupervisorError as exc:
@@ -264,7 +269,7 @@ class Supervisor:
         if actor.name not in self.children:  # they hold no step state to reset
             self.epoch += 1
             self._send("scheduler", Reset(self.epoch, actor.name))
-        replacement.last_recovery_s = time.monotonic() - noticed
+        replacement.recovered(time.monotonic() - noticed)
         self._send_roster()
         log.warning(
             "actor %s is back (pid %d) in %.2f s; epoch %d",
@@ -276,10 +281,11 @@ class Supervisor:
 
     def _send_roster(self) -> None:
         if "engine" in self.actor_names:  # a tree of the gateway alone has no one to tell
-            self._send("engine", Roster([a.status() for a in self.actors.values()]))
+            self._send("engine", Roster([a.entry() for a in self.actors.values()]))
 
     def statuses(self) -> list[ActorStatus]:
-        return [a.status() for a in self.actors.values()]
+        now = time.monotonic()
+        return [a.entry().status(now) for a in self.actors.values()]
 
     def _send(self, name: str, message) -> None:
         socket = self._outboxes.get(name)
