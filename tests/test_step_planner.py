@@ -142,9 +142,11 @@ def test_clients_take_turns_and_one_holding_fewer_seats_never_waits_behind_anoth
 
 
 def test_the_random_workloads_reach_the_hard_cases():
-    """Preemption (both modes), forks, overlapped steps, held-block steps and blocks reused
-    while a step that used them waits all happen, so the rules above are really exercised."""
-    totals = dict.fromkeys(["preemptions", "swaps", "forks", "overlapped", "held", "reused"], 0)
+    """Preemption (both modes), forks, overlapped steps, held-block steps, blocks reused while a
+    step that used them waits, and seats taken for a client's fair share all happen, so the
+    rules above are really exercised."""
+    kinds = ["preemptions", "swaps", "forks", "overlapped", "held", "reused", "fair_seats"]
+    totals = dict.fromkeys(kinds, 0)
     for seed in range(12):
         swap = seed % 2 == 0
         config = planner_config(
@@ -157,7 +159,10 @@ def test_the_random_workloads_reach_the_hard_cases():
         )
         params = SamplingParams(n=1 + seed % 3, max_tokens=16, ignore_eos=seed % 4 == 1)
         prompts = [PREFIXES[i % 3] + [2 + i] * (5 + i) for i in range(6)]
-        work = [Spec(f"r{i}", p, params, abort_after=40 * i or None) for i, p in enumerate(prompts)]
+        work = [
+            Spec(f"r{i}", p, params, abort_after=40 * i or None, client="hog" if i < 4 else "b")
+            for i, p in enumerate(prompts)
+        ]
         simulation = simulate(config, work, seed)
         stats = simulation.planner.counters
         totals["preemptions"] += stats.num_preemptions - stats.num_swaps
@@ -166,6 +171,7 @@ def test_the_random_workloads_reach_the_hard_cases():
         totals["overlapped"] += stats.num_overlapped_steps
         totals["held"] += stats.num_steps - stats.num_block_round_trips
         totals["reused"] += simulation.reused_while_queued
+        totals["fair_seats"] += simulation.fair_displacements
     assert all(totals.values()), totals
 
 
