@@ -4,14 +4,12 @@ max_client_requests and max_client_output_tokens. Over either, a 429 naming it.
 
 A client is the API key it presents where keys are used (several keys: several clients), else
 its peer address (behind a proxy every request is the proxy's: give each client its own key).
-Its name (`key:` and a hash of the key, never the key itself; `addr:` and the address) goes to
+Its name (`key:` and the key's place in `api_key`, never the key; `addr:` and the address) goes to
 the Engine as the request's tenant (GenerateRequest.tenant), where the same limits hold on each
 replica and the Scheduler shares the seats fairly among the clients.
 """
 
 from __future__ import annotations
-
-import hashlib
 
 from starlette.datastructures import Address, Headers
 
@@ -26,7 +24,7 @@ def client_name(
     """Whom a request counts for (the request has passed the API key check)."""
     key = matching_key(api_keys, offered_keys(headers, subprotocols)) if api_keys else None
     if key is not None:
-        return "key:" + hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+        return f"key:{api_keys.index(key)}"
     return f"addr:{peer.host if peer is not None else 'unknown'}"
 
 

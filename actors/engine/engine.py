@@ -231,8 +231,7 @@ class Engine(Actor):
         check_output_size(len(prompt_ids), params, self.config)
         eid, n, client = key(identity, rid), params.n, client_key(identity, message.tenant)
         samples = n if message.resume is None else len(message.resume)
-        live = len(self.journal)
-        refusal = self.journal.shares.refusal(client, live, samples, len(prompt_ids), params)
+        refusal = self.journal.refusal(client, samples, len(prompt_ids), params)
         if refusal is not None:
             self.reply(identity, ErrorReply(*refusal, rid))
             return

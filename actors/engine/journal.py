@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ...messages.client import GenerateRequest
+from ...messages.common import SamplingParams
 from .client_shares import ClientShares
 from .live_request import LiveRequest, key
 
@@ -46,6 +47,13 @@ class Journal:
         for live in entries:
             self.live[live.request.request_id] = live
             self.shares.take(live.request)
+
+    def refusal(
+        self, client: str, samples: int, num_prompt_tokens: int, params: SamplingParams
+    ) -> tuple[str, str] | None:
+        """(message, code) when `samples` more live samples of `client` would be over a limit
+        on the engine or on one client (ClientShares.refusal); None when they fit."""
+        return self.shares.refusal(client, len(self.live), samples, num_prompt_tokens, params)
 
     def live_children(self, engine_id: str) -> list[str]:
         """The live requests a client's id stands for: its samples, or itself."""

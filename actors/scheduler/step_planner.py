@@ -235,8 +235,8 @@ class StepPlanner:
 
     def _may_overlap(self) -> bool:
         """Whether a step may be planned while the one in flight runs: not while two are, nor
-        when what only a step planned with nothing in flight may do comes first (a seat taken
-        from a lower priority, a swap-in or a fork at the head of the queue)."""
+        when what only a step planned with nothing in flight may do comes first (a seat taken,
+        for a higher priority or a fair share, or a swap-in or a fork first in the fair order)."""
         if len(self.in_flight) > 1 or self.overlap_paused or not self.config.async_scheduling:
             return False
         if not self.waiting:
