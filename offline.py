@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import msgspec
+
 from .actors.runtime.config import EngineConfig
 from .actors.supervisor.background import BackgroundSupervisor
 from .gateway.client import AsyncClient, Client
@@ -51,7 +53,10 @@ class LLM:
 
     def __init__(self, model: str, **engine_settings):
         """`engine_settings`: any EngineConfig field (max_num_seqs, num_kv_blocks, ...)."""
-        self.config = EngineConfig(model=str(model), **engine_settings)
+        config = EngineConfig(model=str(model), **engine_settings)
+        if config.max_client_requests is None:  # this object is its engine's only client
+            config = msgspec.structs.replace(config, max_client_requests=config.max_live_requests)
+        self.config = config
         self._stack = BackgroundSupervisor(self.config)
         self.address = self._stack.start()
         self._client = Client(self.address)

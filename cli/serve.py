@@ -39,7 +39,7 @@ from ..gateway.process import NAME, GatewaySpec
 from ..gateway.replica_keys import replica_keys
 from ..gateway.server import bind
 from ..gateway.service import GatewaySettings
-from .flags import given_values
+from .flags import comma_list, given_values
 
 
 def gateway_tree(config: EngineConfig) -> Supervisor:
@@ -255,7 +255,7 @@ def supervise_gateway(supervisor: Supervisor, http: argparse.Namespace, served: 
 def gateway_settings(args: argparse.Namespace, config: EngineConfig) -> GatewaySettings:
     """The gateway's settings: its flags, and what it takes from the resolved engine config."""
     given = given_values(args, GatewaySettings)
-    given.setdefault("api_key", os.environ.get("ACTORSERVE_API_KEY") or None)
+    given.setdefault("api_key", comma_list(os.environ.get("ACTORSERVE_API_KEY", "")))
     engines = len(given.get("replicas", [])) or config.data_parallel_size
     given.setdefault("max_concurrent_requests", config.max_live_requests * engines)
     return GatewaySettings(
@@ -265,5 +265,7 @@ def gateway_settings(args: argparse.Namespace, config: EngineConfig) -> GatewayS
         vocab_size=config.facts.vocab_size,
         block_size=config.block_size,
         send_timeout_s=config.send_timeout_s,
+        max_client_requests=config.client_request_limit(),
+        max_client_output_tokens=config.max_client_output_tokens,
         **given,
     )

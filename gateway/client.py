@@ -213,16 +213,20 @@ class AsyncClient:
         request_id: str | None = None,
         priority: int = 0,
         resume: list[ResumedSample] | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[Delta]:
         """Stream the completion's deltas; the last one has `finish_reason` set.
         `priority`: lower runs first (FCFS within a level). With `params.n` > 1 the deltas of
         the n samples interleave (`Delta.index`) and the stream ends after n finished ones.
         `resume`: go on with a request another engine was streaming (GenerateRequest.resume):
         only the samples listed, from the tokens given; the others had finished.
+        `tenant`: the client it is on behalf of, for a program serving several (the gateway):
+        the engine's per-client limits and fair share count it as a client of its own.
 
         Leaving the loop early (break, cancel, error) aborts the request in the engine.
         """
-        async with self._request(prompt, params, request_id, priority, False, resume) as stream:
+        request = self._request(prompt, params, request_id, priority, False, resume, tenant)
+        async with request as stream:
             done = stream.n - stream.unfinished
             while done < stream.n:
                 await self._wait(stream)
@@ -232,14 +236,17 @@ class AsyncClient:
                     yield deltas[index]
 
     @contextlib.asynccontextmanager
-    async def _request(self, prompt, params, request_id, priority, collect: bool, resume=None):
+    async def _request(
+        self, prompt, params, request_id, priority, collect: bool, resume=None, tenant=None
+    ):
         """Register the request's stream and send it; on the way out, forget the stream, and
         abort the request in the engine unless every sample finished or it failed there."""
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise EngineError(f"request_id {rid!r} is already streaming", "invalid_request", rid)
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-        request = GenerateRequest(rid, text, ids, params or SamplingParams(), priority, resume)
+        params = params or SamplingParams()
+        request = GenerateRequest(rid, text, ids, params, priority, resume, tenant)
         stream = self._streams[rid] = RequestStream(request, collect)
         self._ensure_receiver()
         try:

@@ -20,7 +20,6 @@ Refusals are OpenAI's JSON error shape, a WebSocket's as its handshake's HTTP re
 
 from __future__ import annotations
 
-import hmac
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI
@@ -28,6 +27,7 @@ from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .api_keys import matching_key, offered_keys
 from .openai_errors import APIError
 from .openai_routes import error_response
 from .service import GatewaySettings
@@ -35,12 +35,10 @@ from .service import GatewaySettings
 OPEN_PATHS = ("/", "/health", "/ready")  # the static page and the load balancer's checks
 
 
-def has_api_key(headers: Headers, api_key: str | None) -> bool:
-    """Whether the request carries `Authorization: Bearer KEY` (always, without a key set)."""
-    if not api_key:
-        return True
-    given = headers.get("authorization", "").encode("latin-1", "replace")
-    return hmac.compare_digest(given, f"Bearer {api_key}".encode())
+def has_api_key(headers: Headers, api_keys: list[str]) -> bool:
+    """Whether the request carries `Authorization: Bearer KEY`, KEY one of `api_keys` (always,
+    without a key set)."""
+    return not api_keys or matching_key(api_keys, offered_keys(headers)) is not None
 
 
 async def refuse(scope: Scope, receive: Receive, send: Send, error: APIError) -> None:
@@ -115,7 +113,7 @@ class BrowserGuard:
 class APIKeyMiddleware:
     """Checks `Authorization: Bearer KEY` on HTTP routes (WebSocket: checked in its handler)."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, api_key: list[str]):
         self.app = app
         self.api_key = api_key
 

@@ -87,10 +87,14 @@ class PromptRun:
         return first, rest
 
 
-async def start(gateway: Gateway, body: CompletionRequest, prompts, rid: str) -> list[PromptRun]:
-    """Each prompt's scoring plan, params and (not yet started) Engine request."""
+async def start(
+    gateway: Gateway, body: CompletionRequest, prompts, rid: str, client: str
+) -> list[PromptRun]:
+    """Each prompt's scoring plan, params and (not yet started) Engine request, once the batch
+    is known to fit (Gateway.check_batch). `client`: whom they count for."""
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     base = body.sampling_params(max_tokens or 1, body.logprobs)
+    gateway.check_batch(len(prompts), client, base)
     runs = []
     for index, prompt in enumerate(prompts):
         try:
@@ -103,7 +107,7 @@ async def start(gateway: Gateway, body: CompletionRequest, prompts, rid: str) ->
         request_id = rid if len(prompts) == 1 else f"{rid}-{index}"
         deltas = gateway.generate(
             prompt, params, request_id, priority=body.priority,
-            structured_param=body.structured_param,
+            structured_param=body.structured_param, client=client,
         )  # fmt: skip
         runs.append(PromptRun(index, len(prompts), body, scoring, params, deltas, [0] * body.n))
     return runs
@@ -115,9 +119,10 @@ async def completions(request: Request, gateway: Gateway) -> Response:
     check_model(gateway, body.model)
     prompt_scoring.check_max_tokens(body)
     prompts = body.prompt_inputs()
-    gateway.check_batch(len(prompts))
     rid = f"cmpl-{uuid.uuid4().hex}"
-    runs = await start(gateway, body, prompts, rid)
+    runs = await start(
+        gateway, body, prompts, rid, gateway.client_of(request.headers, request.client)
+    )
     if not body.stream:
         results = await until_disconnect(request, all_or_none([r.samples() for r in runs]))
         choices = [c for r, samples in zip(runs, results) for c in choices_of(r, samples, gateway)]

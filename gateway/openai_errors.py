@@ -8,6 +8,8 @@ from typing import Any
 
 import msgspec
 
+RETRY_AFTER = {"Retry-After": "1"}  # on a 429 or 503: the refusal is for now, not for good
+
 
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""

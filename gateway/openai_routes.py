@@ -212,7 +212,10 @@ async def chat_completions(request: Request, gateway: Gateway) -> Response:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     model, created = gateway.settings.model_id, now()
     names = gateway.token_names
-    deltas = gateway.generate(prompt, params, rid, "messages", body.priority, body.structured_param)
+    client = gateway.client_of(request.headers, request.client)
+    deltas = gateway.generate(
+        prompt, params, rid, "messages", body.priority, body.structured_param, client=client
+    )
     if not body.stream:
         samples = await until_disconnect(request, collect(deltas, body.n))
         choices = [

@@ -221,6 +221,7 @@ class ReplicaSet:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> AsyncIterator[Delta]:
         """AsyncClient.generate on the chosen replica, resumed on another if that one fails."""
         params = params or SamplingParams()
@@ -236,7 +237,9 @@ class ReplicaSet:
             current.routed += 1
             if request_id is not None:
                 self.serving[request_id] = current
-            stream = current.client.generate(prompt, params, request_id, priority, resume)
+            stream = current.client.generate(
+                prompt, params, request_id, priority, resume, tenant=tenant
+            )
             try:
                 async for delta in stream:
                     received.setdefault(delta.index, []).extend(delta.token_ids)

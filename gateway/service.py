@@ -1,9 +1,10 @@
 """What every route shares: the SDK client, admission (limit, drain), metrics, and one generate.
 
 `Gateway.generate` is the only way a route reaches the Engine. It admits the request (503 while
-draining, 429 over the concurrency limit), streams the SDK's deltas, records the request's
-latencies, maps the Engine's refusals to API errors, and aborts the request in the Engine
-whenever its consumer goes away before the end (client disconnect, cancel, error).
+draining, 429 over the concurrency limit or over what one client may hold, client_limits.py),
+streams the SDK's deltas, records the request's latencies, maps the Engine's refusals to API
+errors, and aborts the request in the Engine whenever its consumer goes away before the end
+(client disconnect, cancel, error).
 """
 
 from __future__ import annotations
@@ -20,16 +21,21 @@ from msgspec import Meta
 from ..actors.runtime.config import NOT_A_FLAG
 from ..messages.client import Delta
 from ..messages.common import OutputKind, SamplingParams, max_prompt_chars
+from .client_limits import ClientLimits, client_name
 from .errors import EngineError
 from .metrics import Metrics
-from .openai_errors import APIError, invalid
+from .openai_errors import RETRY_AFTER, APIError, invalid
 from .openai_logprobs import TokenNames
 from .openai_requests import ChatMessage
 from .replicas import ReplicaSet
 
 SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
-ENGINE_STATUS = {"invalid_request": 400, "overloaded": 429, "unavailable": 503}
-RETRY_AFTER = {"Retry-After": "1"}
+ENGINE_STATUS = {
+    "invalid_request": 400,
+    "overloaded": 429,
+    "rate_limit_exceeded": 429,
+    "unavailable": 503,
+}
 
 
 class GatewaySettings(msgspec.Struct, kw_only=True):
@@ -51,8 +57,18 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         ),
     ] = 30.0
     api_key: Annotated[
-        str | None,
-        Meta(description="require 'Authorization: Bearer KEY'; unset: $ACTORSERVE_API_KEY if set"),
+        list[str],
+        Meta(
+            description="require 'Authorization: Bearer KEY', KEY one of these (comma-separated; "
+            "each key is a client of its own to max_client_requests and "
+            "max_client_output_tokens); unset: $ACTORSERVE_API_KEY's if set"
+        ),
+    ] = []
+    max_client_requests: Annotated[
+        int | None, Meta(description="the engine's, resolved", extra=NOT_A_FLAG)
+    ] = None
+    max_client_output_tokens: Annotated[
+        int | None, Meta(description="the engine's", extra=NOT_A_FLAG)
     ] = None
     max_concurrent_requests: Annotated[
         int | None,
@@ -222,6 +238,9 @@ class Gateway:
         self.token_names = TokenNames(chat.tokenizer)  # token id -> text, for logprobs
         self.metrics = Metrics(settings.model_id)
         self.active = 0
+        self.clients = ClientLimits(
+            settings.max_client_requests, settings.max_client_output_tokens, settings.max_model_len
+        )
         self.draining = False
         # the server's open connections (uvicorn's set, HTTPGateway fills it in): WebSocket
         # handshakes are counted against max_connections here, uvicorn counts HTTP requests
@@ -235,7 +254,11 @@ class Gateway:
 
     # -- admission ---------------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def client_of(self, headers, peer, subprotocols=()) -> str:
+        """Whom a request counts for: its API key, else its peer address (client_limits.py)."""
+        return client_name(self.settings.api_key, headers, peer, subprotocols)
+
+    def _admit(self, client: str, samples: int, tokens: int) -> None:
         if self.draining:
             raise APIError(
                 503,
@@ -253,13 +276,15 @@ class Gateway:
                 "rate_limit_exceeded",
                 RETRY_AFTER,
             )
+        self.clients.take(client, samples, tokens)
         self.active += 1
         self._idle.clear()
 
-    def check_batch(self, count: int) -> None:
-        """Before a batch of `count` prompts starts: a 400 when it can never run (over
-        max_batch_prompts, or more than max_concurrent_requests at once), a 429 when it cannot
-        run now; so no prompt of it starts only to be aborted when a later one is refused."""
+    def check_batch(self, count: int, client: str, params: SamplingParams) -> None:
+        """Before a batch of `count` prompts, each with `params`, starts: a 400 when it can
+        never run (over max_batch_prompts, or more than max_concurrent_requests at once), a 429
+        when it cannot run now (in all, or for its client); so no prompt of it starts only to
+        be aborted when a later one is refused."""
         if count <= 1:
             return
         limit = self.settings.max_concurrent_requests
@@ -277,8 +302,11 @@ class Gateway:
                 "rate_limit_exceeded",
                 RETRY_AFTER,
             )
+        samples, tokens = self.clients.reserved(params)
+        self.clients.check(client, count * samples, count * tokens)
 
-    def _release(self) -> None:
+    def _release(self, client: str, samples: int, tokens: int) -> None:
+        self.clients.give_back(client, samples, tokens)
         self.active -= 1
         if self.active == 0:
             self._idle.set()
@@ -324,23 +352,27 @@ class Gateway:
         prompt_param: str = "prompt",
         priority: int = 0,
         structured_param: str = "structured",
+        *,
+        client: str,
     ) -> AsyncIterator[Delta]:
         """Deltas of one request (of its n samples, by `Delta.index`); raises APIError.
         Leaving before all n samples finished aborts it in the Engine (the SDK does).
-        `structured_param`: the request field params.structured came from (named in errors)."""
+        `structured_param`: the request field params.structured came from (named in errors).
+        `client`: whom it counts for (`client_of`), here and in the Engine (its tenant)."""
         check_int64(prompt, params, prompt_param, priority)
         error = params.validate(self.settings.vocab_size)
         if error:
             raise engine_error(
                 EngineError(error, "invalid_request"), prompt_param, structured_param
             )
-        self._admit()
+        samples, tokens = self.clients.reserved(params)
+        self._admit(client, samples, tokens)
         arrival = time.perf_counter()
         first: float | None = None
         last: Delta | None = None
         longest = 0
         streamed = params.output_kind is OutputKind.DELTA  # else no first-token time to see
-        stream = self.client.generate(prompt, params, request_id, priority)
+        stream = self.client.generate(prompt, params, request_id, priority, tenant=client)
         try:
             async for delta in stream:
                 if first is None and streamed and delta.token_ids:
@@ -354,5 +386,5 @@ class Gateway:
         except EngineError as exc:
             raise engine_error(exc, prompt_param, structured_param) from None
         finally:
-            self._release()
+            self._release(client, samples, tokens)
             await stream.aclose()  # the SDK aborts a request left before it finished

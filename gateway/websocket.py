@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import uuid
 from typing import Any
@@ -38,6 +37,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 
 from ..messages.client import Delta
 from ..messages.common import SamplingParams
+from .api_keys import matching_key, offered_keys
 from .guards import refuse
 from .openai_errors import APIError, decode_json, invalid
 from .openai_requests import ChatMessage
@@ -64,16 +64,13 @@ _decoder = msgspec.json.Decoder(Generate | Abort)
 _encoder = msgspec.json.Encoder()
 
 
-def authorized(websocket: WebSocket, api_key: str | None) -> bool:
-    if not api_key:
-        return True
-    offered = [websocket.headers.get("authorization", "").removeprefix("Bearer ").strip()]
-    offered += [
-        p.removeprefix("bearer.")
-        for p in websocket.scope.get("subprotocols", [])
-        if p.startswith("bearer.")
-    ]
-    return any(hmac.compare_digest(o.encode(), api_key.encode()) for o in offered if o)
+def offered(websocket: WebSocket) -> list[str]:
+    """The API keys the handshake presents (header or `bearer.KEY` subprotocol)."""
+    return offered_keys(websocket.headers, websocket.scope.get("subprotocols", []))
+
+
+def authorized(websocket: WebSocket, api_keys: list[str]) -> bool:
+    return not api_keys or matching_key(api_keys, offered(websocket)) is not None
 
 
 class StreamSocket:
@@ -83,6 +80,8 @@ class StreamSocket:
         self.ws = websocket
         self.gateway = gateway
         self.prefix = f"ws-{uuid.uuid4().hex[:12]}-"
+        subprotocols = websocket.scope.get("subprotocols", [])
+        self.client = gateway.client_of(websocket.headers, websocket.client, subprotocols)
         self.live: dict[str, asyncio.Task] = {}
         self._send_lock = asyncio.Lock()
 
@@ -178,7 +177,9 @@ class StreamSocket:
         try:
             prompt = await self.prompt(message)
             # closed here, not when garbage collected: leaving early aborts the request now
-            deltas = self.gateway.generate(prompt, message.params, self.prefix + rid, param)
+            deltas = self.gateway.generate(
+                prompt, message.params, self.prefix + rid, param, client=self.client
+            )
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     for frame in frames_of(rid, delta, message.params.n > 1):

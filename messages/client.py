@@ -10,6 +10,8 @@ import msgspec
 from .common import FinishReason, SamplingParams, TokenLogprobs
 from .control import ActorStatus
 
+MAX_TENANT_CHARS = 128  # GenerateRequest.tenant: the Engine refuses a longer one
+
 
 class ResumedSample(msgspec.Struct, forbid_unknown_fields=True):
     """Sample `index` of a request, with the token ids its client has received so far."""
@@ -27,6 +29,13 @@ class GenerateRequest(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit
     params (seeded draws keyed on the token's position, so the output is the fault-free one),
     the text and stop-string state rebuilt from those tokens, nothing sent twice. Samples not
     listed had finished; they are not run again.
+
+    `tenant` (at most MAX_TENANT_CHARS): the client this request is on behalf of, when the sender
+    serves several (the gateway names each API key or peer address). The Engine counts the
+    request against the client (sender identity, tenant): its per-client limits and its fair
+    share of the seats. A tenant is never trusted beyond its sender's connection: a sender that
+    names many tenants is as many clients, as it would be opening as many sockets, and it
+    cannot spend another sender's tenants' shares.
     """
 
     request_id: str
@@ -35,6 +44,7 @@ class GenerateRequest(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     priority: int = 0  # lower runs first; FCFS within a level
     resume: list[ResumedSample] | None = None
+    tenant: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag=True, forbid_unknown_fields=True):
@@ -113,7 +123,9 @@ class ErrorReply(msgspec.Struct, tag=True, omit_defaults=True):
     """A request the Engine refused or failed. `code` is machine-readable, `message` for people."""
 
     message: str
-    code: str = "invalid_request"  # invalid_request | overloaded | unavailable | internal
+    # invalid_request | overloaded (the engine is full) | rate_limit_exceeded (the client holds
+    # its limit: max_client_requests, max_client_output_tokens) | unavailable | internal
+    code: str = "invalid_request"
     request_id: str | None = None
 
 

@@ -15,7 +15,9 @@ from .common import FinishReason, SamplingParams, TokenLogprobs
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
-    """Engine -> Scheduler. `output_token_ids`: tokens already sent to the client (resumption)."""
+    """Engine -> Scheduler. `output_token_ids`: tokens already sent to the client (resumption).
+    `client`: whom the request counts for in the Scheduler's fair share of seats (the Engine's
+    client key: its sender's identity and tenant); requests of one client share one key."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -23,6 +25,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     output_token_ids: list[int] = []
     priority: int = 0
     fork_of: str | None = None  # sample i > 0 of an n > 1 request: share sample 0's prompt KV
+    client: str = ""
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

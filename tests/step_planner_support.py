@@ -1,6 +1,8 @@
 """The step planner in-process: a real BlockPool as the BlockManager, a fake Worker over a
 simulated KV cache, a scripted Engine, and a driver that delivers their messages in a random
 order (each mailbox in order, as ZeroMQ keeps it), checking the documented rules as it goes.
+The fair order and the seat rules are written again from the planner's docstrings
+(tests/fair_share_rules.py), not taken from its code.
 
 The fake Worker (tests/fake_worker.py) checks that every step reads only KV written for its own
 tokens.
@@ -9,9 +11,10 @@ tokens.
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from fair_share_rules import Waiting, fair_order, head, seat_taker
 from fake_worker import EOS, VOCAB, FakeWorker
 
 from actorserve.actors.block_manager.block_pool import BlockPool
@@ -41,11 +44,16 @@ class Spec:
     params: SamplingParams
     priority: int = 0
     abort_after: int | None = None  # events after its arrival at which the client aborts it
+    client: str = ""
 
     def adds(self) -> list[AddRequest]:
         """The Engine's AddRequests for it: n > 1 fans out into samples forking sample 0."""
         if self.params.n == 1:
-            return [AddRequest(self.request_id, self.prompt, self.params, [], self.priority)]
+            return [
+                AddRequest(
+                    self.request_id, self.prompt, self.params, [], self.priority, None, self.client
+                )
+            ]
         first = f"{self.request_id}#0"
         return [
             AddRequest(
@@ -55,6 +63,7 @@ class Spec:
                 [],
                 self.priority,
                 first if i else None,
+                self.client,
             )  # fmt: skip
             for i in range(self.params.n)
         ]
@@ -90,6 +99,7 @@ class Simulation:
         self.steps = 0
         self.planned: dict[int, dict] = {}  # AllocateStep id -> what plan() saw before it
         self.reused_while_queued = 0  # blocks granted while a step that used them had not run
+        self.fair_displacements = 0  # seats taken for a client's fair share
 
     # -- sending, as the Scheduler actor does ----------------------------------------------
 
@@ -114,8 +124,9 @@ class Simulation:
             self.check_seats(before)
             if message is None:
                 return self.send(None)
-            if isinstance(message, AllocateStep):
-                self.planned[message.step_id] = before
+            if isinstance(message, AllocateStep):  # what its offers were drawn from: the queue
+                offered_from = self.snapshot()  # after any seat was taken
+                self.planned[message.step_id] = {**before, "offered_from": offered_from}
             else:
                 self.check_step(message, before, None)
             self.send(message)
@@ -127,12 +138,23 @@ class Simulation:
             for rid, r in planner.running.items()
             if r.num_unscheduled == 1 and not r.ends_in_flight()
         }
-        waiting = [(r.request_id, r.queue_key, self.fork_waits(r)) for r in planner.waiting]
+        waiting = [
+            Waiting(
+                r.request_id,
+                r.priority,
+                self.arrival_of[r.request_id],
+                r.client,
+                self.fork_waits(r),
+            )
+            for r in planner.waiting
+        ]
         victim = {rid: self.victim_key(r) for rid, r in planner.running.items()}
         running = {rid: r.queue_key for rid, r in planner.running.items()}
+        clients = {rid: r.client for rid, r in planner.running.items()}
+        seats = Counter(clients.values())
         quiet = not planner.in_flight and planner.pending is None
         return {"decodes": decodes, "waiting": waiting, "victim": victim, "running": running,
-                "quiet": quiet}  # fmt: skip
+                "clients": clients, "seats": seats, "quiet": quiet}  # fmt: skip
 
     def fork_waits(self, request) -> bool:
         """A fork whose sample 0 runs but has not computed the prompt yet may be passed over."""
@@ -152,19 +174,18 @@ class Simulation:
 
     def check_step(self, plan: StepPlan, before: dict, allocation: Allocation | None) -> None:
         """Every running decode is in the step unless it lost its seat or its blocks, or ended;
-        nobody jumps the queue; preemption victims come last in the documented order."""
+        the requests admitted are the first of the fair order (nobody jumps the queue, and no
+        client holding fewer seats waits behind another's request); preemption victims come
+        last in the documented order."""
         planner = self.planner
         in_step = {u.request_id for u in plan.running} | {n.request_id for n in plan.new}
         for rid in before["decodes"]:
             assert rid in in_step or rid not in planner.running, f"decode {rid} skipped"
-        admitted = {n.request_id for n in plan.new}
-        for rid in admitted:
-            key = next(k for r, k, _ in before["waiting"] if r == rid)
-            for other, other_key, fork_waits in before["waiting"]:
-                if other_key < key and other not in admitted and not fork_waits:
-                    assert other not in planner.requests or other in planner.running, (
-                        f"{rid} admitted ahead of {other}"
-                    )
+        if plan.new:
+            offered_from = before["offered_from"]
+            order = fair_order(offered_from["waiting"], offered_from["seats"])
+            admitted = [n.request_id for n in plan.new]
+            assert admitted == order[: len(admitted)], f"admitted {admitted}, fair order {order}"
         if allocation is not None:
             lost = set(allocation.preempted) | set(allocation.swapped)
             kept = [before["victim"][g.request_id] for g in allocation.granted
@@ -173,20 +194,19 @@ class Simulation:
                 assert all(k < before["victim"][rid] for k in kept), f"{rid} preempted too early"
 
     def check_seats(self, before: dict) -> None:
-        """A running request loses its seat only to a waiting one of higher priority, and only
-        the lowest-priority, last-arrived one; and after a quiet plan, no such swap is left."""
-        planner = self.planner
+        """A running request loses its seat only to the next waiting one (the fair order's
+        first): the lowest-priority, last-arrived one to one of higher priority; else, at that
+        one's priority, the last by victim order of the client holding the most seats, when
+        the waiting one's client holds at least two fewer. After a quiet plan, no such seat is
+        left to take."""
+        planner, seqs = self.planner, self.config.max_num_seqs
         displaced = [rid for rid in before["running"] if rid not in planner.running]
-        if displaced:
-            head_priority = before["waiting"][0][1][0]
-            for rid in displaced:
-                assert before["running"][rid][0] > head_priority, f"{rid} displaced for nothing"
-                stays = [before["running"][r] for r in planner.running]
-                assert all(k < before["running"][rid] for k in stays), f"{rid} not the worst"
+        for rid in displaced:
+            assert seat_taker(before, seqs) == rid, f"{rid} displaced for nothing"
+            self.fair_displacements += before["running"][rid][0] <= head(before).priority
         if before["quiet"] and planner.waiting and planner.pending is not None:
             if len(planner.running) >= self.config.max_num_seqs:
-                worst = max(r.priority for r in planner.running.values())
-                assert planner.waiting[0].priority >= worst, "a higher priority waits for a seat"
+                assert seat_taker(self.snapshot(), seqs) is None, "a seat is left to take"
 
     def check_state(self) -> None:
         planner, pool = self.planner, self.pool

@@ -49,6 +49,8 @@ def test_the_settings_that_are_not_flags_are_the_resolved_ones():
         "vocab_size",
         "block_size",
         "send_timeout_s",
+        "max_client_requests",
+        "max_client_output_tokens",
     }
 
 
@@ -114,9 +116,24 @@ def test_gateway_flags_round_trip_into_its_settings(monkeypatch):
     assert settings.allowed_origins == ["https://a.example", "https://b.example"]
     assert settings.keep_alive_s == 2.0
     assert settings.max_concurrent_requests == 77  # unset: the engine's max_live_requests
-    assert settings.api_key is None
+    assert settings.api_key == []
     monkeypatch.setenv("ACTORSERVE_API_KEY", "k")
-    assert gateway_settings(serve_args(), config).api_key == "k"
+    assert gateway_settings(serve_args(), config).api_key == ["k"]
+    assert gateway_settings(serve_args("--api-key", "a,b"), config).api_key == ["a", "b"]
+
+
+def test_the_gateway_takes_the_engines_limits_on_one_client():
+    config = msgspec.structs.replace(
+        EngineConfig(model="/ckpt", max_live_requests=77, max_model_len=128),
+        facts=ModelFacts(vocab_size=1000, max_position_embeddings=128, eos_token_ids=[2]),
+    )
+    settings = gateway_settings(serve_args(), config)
+    assert settings.max_client_requests == 38  # unset: half of max_live_requests
+    assert settings.max_client_output_tokens is None
+    flags = ("--max-client-requests", "5", "--max-client-output-tokens", "900")
+    config = msgspec.structs.replace(cli.engine_config(serve_args(*flags)), facts=config.facts)
+    settings = gateway_settings(serve_args(*flags), config)
+    assert (settings.max_client_requests, settings.max_client_output_tokens) == (5, 900)
 
 
 def test_one_send_timeout_holds_for_every_door():

@@ -129,10 +129,12 @@ class FakeClient:
         self.die_after = die_after
         self.stats = stats  # what health answers (None: it fails)
         self.requests: list[tuple[list[int], list[ResumedSample] | None]] = []
+        self.tenants: list[str | None] = []
         self.aborted: list[str] = []
 
-    async def generate(self, prompt, params, request_id, priority, resume=None):
+    async def generate(self, prompt, params, request_id, priority, resume=None, tenant=None):
         self.requests.append((prompt, resume))
+        self.tenants.append(tenant)
         start = len(resume[0].output_token_ids) if resume else 0
         for i, token in enumerate(self.tokens[start:], start):
             if self.die_after is not None and i >= self.die_after:
@@ -149,20 +151,20 @@ class FakeClient:
         self.aborted.append(request_id)
 
 
-def test_a_stream_whose_replica_dies_resumes_on_another_with_its_tokens():
+def test_a_stream_whose_replica_dies_resumes_on_another_with_its_tokens_and_tenant():
     tokens = [11, 12, 13, 14, 15]
     dying, healthy = FakeClient(tokens, die_after=2), FakeClient(tokens)
 
     async def run() -> tuple[list[int], ReplicaSet]:
         replicas = ReplicaSet([dying, healthy], BLOCK, 4, 4, 60.0)
-        out = [
-            t async for d in replicas.generate([1, 2], SamplingParams(), "r") for t in d.token_ids
-        ]
+        stream = replicas.generate([1, 2], SamplingParams(), "r", tenant="key:0")
+        out = [t async for d in stream for t in d.token_ids]
         return out, replicas
 
     out, replicas = asyncio.run(run())
     assert out == tokens
     assert healthy.requests == [([1, 2], [ResumedSample(0, [11, 12])])]
+    assert dying.tenants == healthy.tenants == ["key:0"]  # its client's share on either
     assert [r.up for r in replicas.replicas] == [False, True]
     assert [r.in_flight for r in replicas.replicas] == [0, 0]
 

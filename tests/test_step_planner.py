@@ -4,9 +4,10 @@ Random workloads (hypothesis) run to their end with every rule checked after eve
 (tests/step_planner_support.py): the token budget and max_num_seqs hold in every step; every
 running decode is in every step it can be; the pool leaks and double-counts no block; a step
 reads only KV written for its own tokens (so overlapped steps never see their blocks
-rewritten); preemption takes the documented victims, seats go to higher priorities, nobody
-jumps the queue; every request ends once, at its stop token or its length, with the tokens the
-Worker sampled for it. Each test below draws workloads that stress one of these rules.
+rewritten); preemption takes the documented victims, seats go to higher priorities and to
+clients holding fewer, nobody jumps the queue and clients take turns (the fair order); every
+request ends once, at its stop token or its length, with the tokens the Worker sampled for it.
+Each test below draws workloads that stress one of these rules.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
-def specs(draw, count=(1, 10), priorities=(0, 0), forks=False, aborts=False):
+def specs(draw, count=(1, 10), priorities=(0, 0), forks=False, aborts=False, clients=2):
+    """Requests of up to `clients` clients (the first, "hog", sending more than the others)."""
     out = []
     for i in range(draw(st.integers(*count))):
         prefix = PREFIXES[draw(st.integers(0, len(PREFIXES) - 1))]
@@ -44,7 +46,8 @@ def specs(draw, count=(1, 10), priorities=(0, 0), forks=False, aborts=False):
             params = final_only(params)
         abort_after = draw(st.one_of(st.none(), st.integers(1, 300))) if aborts else None
         priority = draw(st.integers(*priorities))
-        out.append(Spec(f"r{i}", prefix + tail, params, priority, abort_after))
+        client = draw(st.sampled_from(["hog"] * clients + [f"c{k}" for k in range(1, clients)]))
+        out.append(Spec(f"r{i}", prefix + tail, params, priority, abort_after, client))
     return out
 
 
@@ -123,10 +126,27 @@ def test_every_request_ends_once_at_its_stop_token_or_length_or_when_aborted(con
     simulate(config, work, seed)
 
 
+@settings(max_examples=100, **SETTINGS)
+@given(
+    configs(seqs=(1, 4)),
+    specs(count=(4, 14), priorities=(0, 1), clients=4),
+    st.integers(0, 2**32),
+)
+def test_clients_take_turns_and_one_holding_fewer_seats_never_waits_behind_another(
+    config, work, seed
+):
+    """With k clients waiting at one priority, every step admits from the fair order's head:
+    no client holding fewer seats waits behind another client's request, however much earlier
+    the other's came; and seats move to a client holding two fewer than the one holding most."""
+    simulate(config, work, seed)
+
+
 def test_the_random_workloads_reach_the_hard_cases():
-    """Preemption (both modes), forks, overlapped steps, held-block steps and blocks reused
-    while a step that used them waits all happen, so the rules above are really exercised."""
-    totals = dict.fromkeys(["preemptions", "swaps", "forks", "overlapped", "held", "reused"], 0)
+    """Preemption (both modes), forks, overlapped steps, held-block steps, blocks reused while a
+    step that used them waits, and seats taken for a client's fair share all happen, so the
+    rules above are really exercised."""
+    kinds = ["preemptions", "swaps", "forks", "overlapped", "held", "reused", "fair_seats"]
+    totals = dict.fromkeys(kinds, 0)
     for seed in range(12):
         swap = seed % 2 == 0
         config = planner_config(
@@ -139,7 +159,10 @@ def test_the_random_workloads_reach_the_hard_cases():
         )
         params = SamplingParams(n=1 + seed % 3, max_tokens=16, ignore_eos=seed % 4 == 1)
         prompts = [PREFIXES[i % 3] + [2 + i] * (5 + i) for i in range(6)]
-        work = [Spec(f"r{i}", p, params, abort_after=40 * i or None) for i, p in enumerate(prompts)]
+        work = [
+            Spec(f"r{i}", p, params, abort_after=40 * i or None, client="hog" if i < 4 else "b")
+            for i, p in enumerate(prompts)
+        ]
         simulation = simulate(config, work, seed)
         stats = simulation.planner.counters
         totals["preemptions"] += stats.num_preemptions - stats.num_swaps
@@ -148,6 +171,7 @@ def test_the_random_workloads_reach_the_hard_cases():
         totals["overlapped"] += stats.num_overlapped_steps
         totals["held"] += stats.num_steps - stats.num_block_round_trips
         totals["reused"] += simulation.reused_while_queued
+        totals["fair_seats"] += simulation.fair_displacements
     assert all(totals.values()), totals
 
 
@@ -252,3 +276,78 @@ def test_after_a_reset_the_planner_forgets_every_request_and_drops_the_old_epoch
     planner.reset(1)
     assert planner.is_stale(allocation) and planner.granted(allocation) is None
     assert not planner.requests and planner.plan() is None and planner.take_frees() is None
+
+
+def one_step(planner: StepPlanner, pool: BlockPool) -> StepPlan | None:
+    """Plan a step, have the pool allocate it (frees first, as the Scheduler sends them) and
+    the Worker run it; the plan, if it computed anything."""
+
+    def free() -> None:
+        frees = planner.take_frees()
+        for rid in frees.request_ids if frees else ():
+            pool.free(rid)
+
+    message = planner.plan()
+    free()
+    if isinstance(message, AllocateStep):
+        message = planner.granted(allocate(pool, message))
+        free()
+    if message is None or not (message.running or message.new):
+        return None
+    run_step(planner, pool, message)
+    free()
+    return message
+
+
+def hogged_planner(hog_priority: int = 0):
+    """Four seats, all held by the hog's long requests, and four more of its own waiting."""
+    config = planner_config(
+        block_size=8, num_kv_blocks=64, max_num_seqs=4, max_model_len=128, async_scheduling=False
+    )
+    planner, pool = StepPlanner(config), BlockPool.for_config(config)
+    long = SamplingParams(max_tokens=100, ignore_eos=True)
+    for i in range(8):
+        planner.add(AddRequest(f"hog{i}", [5] * 9, long, [], hog_priority, None, "hog"))
+    one_step(planner, pool)
+    assert sorted(planner.running) == [f"hog{i}" for i in range(4)]
+    return planner, pool
+
+
+def test_a_client_holding_no_seat_takes_one_from_the_client_holding_every_seat_at_once():
+    planner, pool = hogged_planner()
+    short = SamplingParams(max_tokens=3)
+    planner.add(AddRequest("b", [6] * 5, short, [], 0, None, "b"))
+    plan = one_step(planner, pool)  # the hog's least advanced request gives its seat up
+    assert [n.request_id for n in plan.new] == ["b"] and "hog3" in plan.removed
+    steps = 1
+    while "b" in planner.requests:
+        one_step(planner, pool)
+        steps += 1
+    assert steps == 3  # b's three tokens, one a step, from its first step on
+    one_step(planner, pool)  # the seat goes back to the hog: its earliest waiting request
+    assert sorted(planner.running) == ["hog0", "hog1", "hog2", "hog3"]
+    assert planner.counters.num_preemptions == 1
+
+
+def test_two_clients_waiting_are_admitted_in_turn_before_the_hogs_backlog():
+    planner, pool = hogged_planner()
+    params = SamplingParams(max_tokens=50)
+    for name in ("b", "c"):
+        for i in range(2):
+            planner.add(AddRequest(f"{name}{i}", [6] * 5, params, [], 0, None, name))
+    admitted = []
+    for _ in range(4):
+        plan = one_step(planner, pool)
+        admitted += [n.request_id for n in plan.new] if plan else []
+    # b and c take a seat each from the hog (holding 4, then 3); then the hog holds 2, as
+    # many as b and c hold with their second requests: nobody takes a seat from anybody
+    assert admitted == ["b0", "c0"]
+    assert sorted(r.client for r in planner.running.values()) == ["b", "c", "hog", "hog"]
+
+
+def test_a_lower_priority_client_takes_no_seat_from_a_higher_priority_one():
+    planner, pool = hogged_planner(hog_priority=0)
+    planner.add(AddRequest("b", [6] * 5, SamplingParams(max_tokens=3), [], 1, None, "b"))
+    for _ in range(5):
+        one_step(planner, pool)
+    assert "b" not in planner.running and planner.counters.num_preemptions == 0

@@ -6,7 +6,7 @@ Cheap checks first (counts before contents), so a huge list is refused without a
 
 from __future__ import annotations
 
-from ...messages.client import GenerateRequest
+from ...messages.client import MAX_TENANT_CHARS, GenerateRequest
 from ...messages.common import SamplingParams
 from ..runtime.config import EngineConfig
 from ..runtime.grammars import CheckedSpecs
@@ -24,6 +24,10 @@ def check_request(message: GenerateRequest, config: EngineConfig) -> None:
         raise InvalidRequest(
             f"priority must be in [{config.priority_min}, {config.priority_max}] "
             f"(priority_min, priority_max), got {message.priority}"
+        )
+    if message.tenant is not None and len(message.tenant) > MAX_TENANT_CHARS:
+        raise InvalidRequest(
+            f"tenant must be at most {MAX_TENANT_CHARS} characters, got {len(message.tenant)}"
         )
     if message.prompt_token_ids is not None:
         check_prompt_length(len(message.prompt_token_ids), config)

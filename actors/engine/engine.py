@@ -19,9 +19,11 @@ re-submits what it was receiving as a resumption (GenerateRequest.resume).
 
 Ownership: a request belongs to the client identity (ROUTER routing id) that sent it. Its id in
 the engine is `key(identity, request_id)`: ids of different clients never collide, and
-AbortRequest and Ping act on the sender's own requests only. A client that goes away (a send to
-it fails), takes none of its replies for send_timeout_s, or sends nothing for client_lease_s (the
-SDK pings every second while it streams) has its requests aborted: nothing runs for nobody.
+AbortRequest and Ping act on the sender's own requests only. What one client (its identity and
+the tenant it names) may hold is bounded, and its seats are shared fairly (client_shares.py).
+A client that goes away (a send to it fails), takes none of its replies for send_timeout_s, or
+sends nothing for client_lease_s (the SDK pings every second while it streams) has its requests
+aborted: nothing runs on for nobody.
 
 Parallel samples: a GenerateRequest with n > 1 fans out into n child requests (live_request.py),
 each journaled and resumed like any request; aborting the client's id aborts every child. Sample
@@ -67,6 +69,7 @@ from .admission import (
     check_structured,
 )
 from .client_outbox import ClientOutbox
+from .client_shares import ClientShares, client_key
 from .client_socket import bind_client_router
 from .health_queries import HealthQueries
 from .journal import Journal
@@ -84,7 +87,7 @@ class Engine(Actor):
     def __init__(self, config):
         super().__init__(config)
         self.facts = config.facts
-        self.journal = Journal()
+        self.journal = Journal(ClientShares(config))
         self.heard: dict[bytes, float] = {}  # client identity -> when it last sent anything
         self.health = HealthQueries()  # waiting for the Scheduler's stats
         self.roster: list[RosterEntry] = []  # the supervisor's last
@@ -223,18 +226,13 @@ class Engine(Actor):
         rid, params = message.request_id, message.params
         check_prompt_length(len(prompt_ids), self.config)
         check_output_size(len(prompt_ids), params, self.config)
-        eid = key(identity, rid)
-        n = params.n
-        if len(self.journal) + n > self.config.max_live_requests:
-            limit = self.config.max_live_requests
-            self.reply(
-                identity,
-                ErrorReply(
-                    f"too many live requests (max_live_requests={limit})", "overloaded", rid
-                ),
-            )
+        eid, n, client = key(identity, rid), params.n, client_key(identity, message.tenant)
+        samples = n if message.resume is None else len(message.resume)
+        refusal = self.journal.refusal(client, samples, len(prompt_ids), params)
+        if refusal is not None:
+            self.reply(identity, ErrorReply(*refusal, rid))
             return
-        entries = journal_entries(identity, message, prompt_ids, self.tokenizer)
+        entries = journal_entries(identity, message, prompt_ids, self.tokenizer, client)
         self.journal.add(eid, entries, grouped=n > 1)
         for live in entries:
             self.send("scheduler", live.request)

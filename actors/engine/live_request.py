@@ -80,10 +80,11 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 def journal_entries(
-    identity: bytes, message: GenerateRequest, prompt_ids: list[int], tokenizer
+    identity: bytes, message: GenerateRequest, prompt_ids: list[int], tokenizer, client: str
 ) -> list[LiveRequest]:
     """The entries of a client's request: one per sample it asks for (those it resumes, for a
-    resumption), each with the tokens the client has already and its detokenizer caught up."""
+    resumption), each with the tokens the client has already and its detokenizer caught up.
+    `client`: the key it counts for (client_shares.client_key)."""
     eid = key(identity, message.request_id)
     params, n = message.params, message.params.n
     if n == 1:
@@ -99,7 +100,7 @@ def journal_entries(
         fork_of = children[0][0] if index and message.resume is None else None
         if outputs:
             child = msgspec.structs.replace(child, prompt_logprobs=None)  # sent already
-        request = AddRequest(cid, prompt_ids, child, outputs, message.priority, fork_of)
+        request = AddRequest(cid, prompt_ids, child, outputs, message.priority, fork_of, client)
         live = LiveRequest(
             identity,
             request,

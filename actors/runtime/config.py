@@ -71,6 +71,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_live_requests: Annotated[
         int, Meta(description="requests in the engine at once; over it, `overloaded` errors")
     ] = 1024
+    # What one client may hold (a sender's identity, or a tenant its gateway names): over it, 429
+    max_client_requests: Annotated[
+        int | None, Meta(description="live samples of one client; unset: max_live_requests / 2")
+    ] = None
+    max_client_output_tokens: Annotated[
+        int | None, Meta(description="n x max_tokens of one client's live requests; unset: any")
+    ] = None
     # Limits on what one client message may ask (errors name the field and the limit)
     max_client_message_bytes: Annotated[
         int, Meta(description="largest client message (ZMQ_MAXMSGSIZE of the client socket)")
@@ -292,21 +299,26 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         def one_of(name: str, choices) -> tuple[str, bool, str]:  # choices: a Literal type
             return name, getattr(self, name) in get_args(choices), f"one of {get_args(choices)}"
 
+        def unset_or_positive(name: str) -> tuple[str, bool, str]:  # an `int | None` setting
+            return name, getattr(self, name) is None or getattr(self, name) >= 1, ">= 1"
+
         checks = [
             ("block_size", self.block_size in (8, 16, 32, 64), "one of 8, 16, 32, 64"),
-            ("max_num_seqs", self.max_num_seqs is None or self.max_num_seqs >= 1, ">= 1"),
-            ("torch_threads", self.torch_threads is None or self.torch_threads >= 1, ">= 1"),
+            unset_or_positive("max_num_seqs"),
+            unset_or_positive("torch_threads"),
             ("data_parallel_size", self.data_parallel_size >= 1, ">= 1"),
             ("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1"),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "in (0, 1]"),
             ("swap_space_gb", self.swap_space_gb >= 0.0, ">= 0"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
-            ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, ">= 1"),
+            unset_or_positive("num_kv_blocks"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, ">= 2"),
             ("heartbeat_interval_s", self.heartbeat_interval_s > 0, "> 0"),
             ("omp_spin_count", self.omp_spin_count >= 0, ">= 0"),
             ("max_client_message_bytes", self.max_client_message_bytes >= 1024, ">= 1024"),
             ("max_request_output_tokens", self.max_request_output_tokens >= 1, ">= 1"),
+            unset_or_positive("max_client_requests"),
+            unset_or_positive("max_client_output_tokens"),
             ("max_logprob_entries", self.max_logprob_entries >= 1, ">= 1"),
             ("max_structured_chars", self.max_structured_chars >= 1, ">= 1"),
             ("structured_cache_size", self.structured_cache_size >= 2, ">= 2"),
@@ -331,6 +343,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name, ok, limit in checks:
             if not ok:
                 raise ValueError(f"{name} must be {limit}, got {getattr(self, name)}")
+
+    def client_request_limit(self) -> int:
+        """max_client_requests; unset, half of max_live_requests: one client alone may still
+        queue several batches, and never shuts the others out of the engine."""
+        limit = self.max_client_requests
+        return limit if limit is not None else max(1, self.max_live_requests // 2)
 
     def resolve_model(self) -> EngineConfig:
         """Fill `facts` and `max_model_len` from the checkpoint's JSON files (ValueError naming

@@ -46,6 +46,7 @@ class Request:
         "stops",
         "priority",
         "arrival",
+        "client",
         "told_block_manager",
         "swapped",
         "cached_tokens",
@@ -68,6 +69,7 @@ class Request:
         self.length_limit = min(self.num_prompt_tokens + message.params.max_tokens, max_model_len)
         self.priority = message.priority
         self.arrival = arrival
+        self.client = message.client  # whom it counts for in the fair share of seats
         self.num_computed = 0  # tokens whose KV a finished step wrote
         self.num_scheduled = 0  # num_computed + the tokens of steps in flight
         self.samples_in_flight = 0  # steps in flight that sample a token for it (0, 1 or 2)

@@ -23,10 +23,14 @@ being allocated is computed by that step all the same (its tokens dropped): the 
 has put the blocks the step fills in the prefix cache, and others may hit them.
 
 The budget goes to every running decode first, then to running prefill chunks, then to waiting
-requests by (priority, arrival). Since max_num_batched_tokens >= max_num_seqs (checked at start),
-a running decode is never skipped: however long a prompt, it delays each decode by at most one
-step whose size is bounded by the token budget. A waiting request of higher priority than the
-lowest running one takes that one's seat when none is free (the displaced one is recomputed).
+requests in the fair order (admission.py: by priority; within a priority, the client holding
+the fewest seats first, then by arrival). Since max_num_batched_tokens >= max_num_seqs (checked
+at start), a running decode is never skipped: however long a prompt, it delays each decode by at
+most one step whose size is bounded by the token budget. When no seat is free, the next waiting
+request takes one, recomputing its holder: the lowest-priority running request's if that is of
+lower priority; else, at its own priority, one of the client holding the most seats when its own
+client holds at least two fewer (admission.fair_victim). So one client's requests, running
+however long and read or not, keep a client holding no seat waiting a step or two at most.
 Preemption victims (the tail of AllocateStep.needs) are the lowest priority, then either the
 fewest computed tokens (least work lost, the default) or the last admitted.
 """
@@ -50,7 +54,7 @@ from ...messages.step import (
     TokensOut,
 )
 from ..runtime.config import EngineConfig
-from .admission import WaitingQueue
+from .admission import WaitingQueue, fair_victim
 from .request_state import Request
 
 
@@ -82,7 +86,7 @@ class StepPlanner:
     def reset(self, epoch: int) -> None:
         """Forget every request (the Engine re-submits them); stamp messages with `epoch`."""
         self.epoch = epoch
-        self.waiting = WaitingQueue(self.config)  # sorted by (priority, arrival)
+        self.waiting = WaitingQueue(self.config)  # offered in the fair order (admission.py)
         self.running: dict[str, Request] = {}  # admitted, in the Worker's persistent batch
         self.requests: dict[str, Request] = {}
         self.removed: list[str] = []  # to drop from the Worker's batch with the next plan
@@ -181,7 +185,8 @@ class StepPlanner:
                 running[rid] = request
                 budget -= count
                 held = held and request.num_scheduled + count <= request.capacity
-        admissions = self.waiting.offers(self.running, self.requests, overlapped, budget)
+        seats = self._seats_held() if self.waiting else {}
+        admissions = self.waiting.offers(seats, self.running, self.requests, overlapped, budget)
         if running and not admissions and held:
             return self._plan_in_held_blocks(counts, overlapped)
         told = {rid: r.told_block_manager for rid, r in running.items()}
@@ -230,24 +235,49 @@ class StepPlanner:
 
     def _may_overlap(self) -> bool:
         """Whether a step may be planned while the one in flight runs: not while two are, nor
-        when what only a step planned with nothing in flight may do comes first (a seat taken
-        from a lower priority, a swap-in or a fork at the head of the queue)."""
+        when what only a step planned with nothing in flight may do comes first (a seat taken,
+        for a higher priority or a fair share, or a swap-in or a fork first in the fair order)."""
         if len(self.in_flight) > 1 or self.overlap_paused or not self.config.async_scheduling:
             return False
         if not self.waiting:
             return True
         if len(self.running) >= self.config.max_num_seqs:
-            return self.waiting[0].priority >= max(r.priority for r in self.running.values())
-        return not self.waiting.head_waits_for_quiet()
+            return self._seat_to_take() is None
+        head = self._next_waiting(self._seats_held())
+        return head is None or not (head.swapped or head.fork_of is not None)
 
     def _make_seats(self) -> None:
-        """Waiting requests of higher priority displace the lowest-priority running ones."""
+        """With every seat taken, the next waiting request takes the seat `_seat_to_take` names."""
         while self.waiting and len(self.running) >= self.config.max_num_seqs:
-            worst = max(self.running.values(), key=lambda r: r.queue_key)
-            if self.waiting[0].priority >= worst.priority:
+            victim = self._seat_to_take()
+            if victim is None:
                 return
-            self.frees.append(worst.request_id)
-            self._preempt(worst, swapped=False)
+            self.frees.append(victim.request_id)
+            self._preempt(victim, swapped=False)
+
+    def _seat_to_take(self) -> Request | None:
+        """The running request whose seat the next waiting one takes (None: it waits for one):
+        the lowest-priority one if of lower priority, else its client's fair share's."""
+        seats = self._seats_held()
+        head = self._next_waiting(seats)
+        if head is None:
+            return None
+        worst = max(self.running.values(), key=lambda r: r.queue_key)
+        if head.priority < worst.priority:
+            return worst
+        return fair_victim(head, self.running.values(), seats, self.victim_order)
+
+    def _next_waiting(self, seats: dict[str, int]) -> Request | None:
+        """The waiting request the next step offers first (a fork waiting for its sample 0 is
+        passed over), None when none may be offered."""
+        return next(self.waiting.fair_order(seats, self.running, self.requests), None)
+
+    def _seats_held(self) -> dict[str, int]:
+        """Each client's running requests."""
+        seats: dict[str, int] = {}
+        for request in self.running.values():
+            seats[request.client] = seats.get(request.client, 0) + 1
+        return seats
 
     # -- the BlockManager's answer -----------------------------------------------------------
 
