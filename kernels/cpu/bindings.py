@@ -22,10 +22,12 @@ log = logging.getLogger(__name__)
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The compiled library, or None (no compiler, a failed build, not Linux), said once."""
+def load(march: str = "native") -> ctypes.CDLL | None:
+    """The compiled library, or None (no compiler, a failed build, not Linux), said once.
+    `march`: what it is compiled for (build.build; tests load an x86-64-v3 build to run the
+    AVX2 paths of an AVX-512 CPU)."""
     try:
-        path = build.build()
+        path = build.build(march)
         if path is None:
             log.warning("no C compiler: the CPU kernels stay on their torch paths")
             return None
@@ -58,9 +60,13 @@ def load() -> ctypes.CDLL | None:
     lib.panel_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr]
     lib.greedy_head_bf16.restype = ctypes.c_int
     lib.greedy_head_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
-    for width in (lib.panel_width_bf16, lib.panel_bf16_native):
+    for width in (lib.panel_width_bf16, lib.panel_bf16_native, lib.panel_width_int8):
         width.restype = i64
         width.argtypes = []
+    lib.panel_bytes_int8.restype = i64
+    lib.panel_bytes_int8.argtypes = [i64]
+    lib.panel_linear_int8.restype = ctypes.c_int
+    lib.panel_linear_int8.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
     for store in (lib.store_kv, lib.store_kv_bf16):
@@ -164,6 +170,43 @@ def pack_panels_bf16(lib: ctypes.CDLL, weight: torch.Tensor, huge: bool = True) 
     shape = (pairs.shape[0] // width, pairs.shape[1], width)
     panels = huge_pages.empty(shape, torch.int32, huge)
     return panels.copy_(pairs.view(-1, width, pairs.shape[1]).transpose(1, 2))
+
+
+def pack_panels_int8(
+    lib: ctypes.CDLL, weight: torch.Tensor, scale: torch.Tensor, huge: bool = True
+) -> torch.Tensor:
+    """An int8 weight [N, K] (any layout) and its scales [N] fp32 -> the panels
+    cpu_panel_gemm_int8.c reads, int8 [ceil(N / NR), panel_bytes_int8(K)]: panel p holds the
+    scales of columns p * NR .. p * NR + NR - 1 as fp32, then K rows of NR int8, element (i, j)
+    = weight[p * NR + j, i]; zero past N and after the last row (NR: the library's int8
+    width); on huge pages where `huge`."""
+    width = lib.panel_width_int8()
+    rows, cols = weight.shape
+    count = -(-rows // width)
+    padded = torch.zeros(count * width, cols, dtype=torch.int8)
+    padded[:rows] = weight
+    scales = torch.zeros(count * width, dtype=torch.float32)
+    scales[:rows] = scale
+    panels = huge_pages.zeros((count, lib.panel_bytes_int8(cols)), torch.int8, huge)
+    panels[:, : 4 * width].view(torch.float32).copy_(scales.view(count, width))
+    body = panels[:, 4 * width : 4 * width + cols * width].view(count, cols, width)
+    body.copy_(padded.view(count, width, cols).transpose(1, 2))
+    return panels
+
+
+def panel_linear_int8(
+    lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int
+) -> torch.Tensor:
+    """x [M, K] fp32 (rows may be strided, columns contiguous), panels from pack_panels_int8 of
+    an int8 weight [n, K] and its scales -> (x @ weight.T) * scale [M, n] fp32 (see
+    cpu_panel_gemm_int8.c)."""
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    status = lib.panel_linear_int8(
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), panels.data_ptr(), n, out.data_ptr()
+    )
+    if status != 0:
+        raise MemoryError("panel_linear_int8 could not allocate its buffer")
+    return out
 
 
 def panel_linear_bf16(
