@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actorserve.kernels.cpu import bindings
+from actorserve.kernels.cpu import bindings, panel_bindings
 from actorserve.kernels.cpu.panels import PANEL_ROWS, PackedLinear, PanelLinear
 from actorserve.kernels.cpu.quantize import dequantize_int8, quantize_int8
 
@@ -72,7 +72,8 @@ def sum_order_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> to
 
 
 def product(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return bindings.panel_linear_int8(lib, x, bindings.pack_panels_int8(lib, q, scale), len(q))
+    panels = panel_bindings.pack_panels_int8(lib, q, scale)
+    return panel_bindings.panel_linear_int8(lib, x, panels, len(q))
 
 
 def test_each_element_rounds_to_within_half_its_rows_scale():
@@ -139,9 +140,9 @@ def test_int8_product_reads_strided_rows(lib):
     q, scale = quantized(60, 64, seed=5)
     wide = torch.randn(12, 200)
     x = wide[:, 10:74]  # rows 200 apart
-    panels = bindings.pack_panels_int8(lib, q, scale)
-    strided = bindings.panel_linear_int8(lib, x, panels, 60)
-    assert torch.equal(strided, bindings.panel_linear_int8(lib, x.contiguous(), panels, 60))
+    panels = panel_bindings.pack_panels_int8(lib, q, scale)
+    strided = panel_bindings.panel_linear_int8(lib, x, panels, 60)
+    assert torch.equal(strided, panel_bindings.panel_linear_int8(lib, x.contiguous(), panels, 60))
 
 
 def test_the_builds_have_the_vector_widths_they_are_built_for(march, lib):

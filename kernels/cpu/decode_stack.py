@@ -51,7 +51,7 @@ class _Model(ctypes.Structure):
 
 class StackLayer(NamedTuple):
     """One decoder layer's tensors: norm weights [hidden] fp32, projections as packed panels
-    (bindings.pack_panels, pack_panels_bf16 for a bf16 model, or pack_panels_int8 for an fp32
+    (panel_bindings.pack_panels, pack_panels_bf16 for a bf16 model, or pack_panels_int8 for an fp32
     one quantized: qkv rows q, k, v heads; gate_up rows gate, up), its KV cache (bf16 for a
     bf16 model)."""
 

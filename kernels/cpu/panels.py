@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import bindings
+from . import bindings, panel_bindings
 from .capability import cpu_has_bf16
 from .quantize import quantize_int8
 
@@ -41,11 +41,11 @@ class PanelWeight:
         self.dtype = weight.dtype  # of the rows it takes and gives
         self.int8 = int8
         if int8:
-            self.panels = bindings.pack_panels_int8(lib, *quantize_int8(weight), huge)
+            self.panels = panel_bindings.pack_panels_int8(lib, *quantize_int8(weight), huge)
         elif self.dtype == torch.bfloat16:
-            self.panels = bindings.pack_panels_bf16(lib, weight, huge)
+            self.panels = panel_bindings.pack_panels_bf16(lib, weight, huge)
         else:
-            self.panels = bindings.pack_panels(lib, weight, huge)
+            self.panels = panel_bindings.pack_panels(lib, weight, huge)
 
     @classmethod
     def for_weight(
@@ -78,15 +78,15 @@ class PanelWeight:
         may also give fp32 sums, an fp32 one gives fp32; an int8 one gives fp32, the products
         with its dequantized weight up to the order of the sums)."""
         if self.int8:
-            return bindings.panel_linear_int8(
+            return panel_bindings.panel_linear_int8(
                 self._lib, self._rows(x), self.panels, self.out_features
             )
         if self.dtype == torch.bfloat16:
             out_dtype = out_dtype or torch.bfloat16
-            return bindings.panel_linear_bf16(
+            return panel_bindings.panel_linear_bf16(
                 self._lib, self._rows(x), self.panels, self.out_features, out_dtype
             )
-        return bindings.panel_linear(self._lib, self._rows(x), self.panels, self.out_features)
+        return panel_bindings.panel_linear(self._lib, self._rows(x), self.panels, self.out_features)
 
 
 class GreedyHead(PanelWeight):
@@ -96,7 +96,9 @@ class GreedyHead(PanelWeight):
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (the head's dtype) -> [N] int64 token ids."""
-        return bindings.greedy_head(self._lib, self._rows(hidden), self.panels, self.out_features)
+        return panel_bindings.greedy_head(
+            self._lib, self._rows(hidden), self.panels, self.out_features
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, vocab] fp32, the values __call__ compares."""
