@@ -21,6 +21,7 @@ from msgspec import Meta
 
 from .addresses import Addresses
 from .model_config import ModelConfig, ModelFacts
+from .quantization import QUANTIZATION_NEEDS, quantization_fits
 from .sharding import ShardLayout
 from .tokenizer import tokenizer_file
 
@@ -31,6 +32,7 @@ VictimPolicy = Literal["fewest_computed", "last_admitted"]
 GreedyHeadScreen = Literal["auto", "int8", "bf16", "off"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KvCacheDtype = Literal["auto", "bfloat16", "float32"]
+Quantization = Literal["none", "int8"]
 # max_num_seqs unset: a GPU step reads each weight once whatever the batch; CPU GEMMs grow with it
 DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
 # torch_threads unset on CUDA: the host thread only launches kernels; more take others' cores
@@ -237,6 +239,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     transparent_huge_pages: Annotated[
         bool, Meta(description="advise huge pages on the large CPU weight copies")
     ] = True
+    quantization: Annotated[
+        Quantization,
+        Meta(
+            description="int8: the projections' weights stored as int8 with an fp32 scale per "
+            "output channel, quantized at load (CPU fast path; fp32 activations); none: as loaded"
+        ),
+    ] = "none"
     step_trace: Annotated[
         str | None,
         Meta(description="PATH: write each step's clock times (scripts/bench_overhead.py)"),
@@ -334,6 +343,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             one_of("kv_cache_dtype", KvCacheDtype),
             one_of("greedy_head_screen", GreedyHeadScreen),
             one_of("preemption_victim", VictimPolicy),
+            one_of("quantization", Quantization),
+            ("quantization", quantization_fits(self), QUANTIZATION_NEEDS),
             (
                 "max_num_batched_tokens",
                 self.max_num_seqs is None or self.max_num_batched_tokens >= self.max_num_seqs,

@@ -6,7 +6,8 @@ where the device runs it natively: CUDA, or a CPU with bf16 arithmetic (AMX-BF16
 kernels/cpu/capability.py). Elsewhere a bf16 / fp16 checkpoint is upcast to float32, since
 emulated half-precision products are far slower than fp32 ones. An fp32 checkpoint stays fp32
 everywhere. In bf16, softmax, norms and accumulations still run in fp32 (the model's and the
-kernels' own casts, as transformers does).
+kernels' own casts, as transformers does). A model quantized to int8 (EngineConfig.quantization)
+runs in float32: its int8 weights are widened in the kernels' registers (kernels/cpu/quantize.py).
 """
 
 from __future__ import annotations
@@ -25,9 +26,14 @@ class Choice(NamedTuple):
     reason: str
 
 
-def model_dtype(asked: str, checkpoint: str | None, device: torch.device) -> Choice:
+def model_dtype(
+    asked: str, checkpoint: str | None, device: torch.device, quantization: str = "none"
+) -> Choice:
     """EngineConfig.dtype `asked` for a checkpoint stored in `checkpoint` (None: not said, taken
-    as float32) on `device`."""
+    as float32) on `device`, with EngineConfig.quantization (validated: with int8, `asked` is
+    auto or float32)."""
+    if quantization != "none":
+        return Choice(torch.float32, f"quantization={quantization}: fp32 activations")
     if asked != "auto":
         return Choice(TORCH_DTYPES[asked], f"dtype={asked}")
     stored = TORCH_DTYPES.get(checkpoint or "float32", torch.float32)

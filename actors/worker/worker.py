@@ -69,9 +69,14 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None):
     device = rank_device(cfg, tp.rank)
     cfg = cfg.resolve_device(device.type)
     stored = ModelConfig.from_dir(cfg.model).dtype  # config.json's dtype (or torch_dtype)
-    dtype, dtype_reason = dtypes.model_dtype(cfg.dtype, stored, device)
+    dtype, dtype_reason = dtypes.model_dtype(cfg.dtype, stored, device, cfg.quantization)
     kv_dtype, kv_reason = dtypes.kv_cache_dtype(cfg.kv_cache_dtype, dtype)
     fast_path = CpuFastPath.create(cfg, device)  # None: plain torch (off, not CPU, no compiler)
+    if cfg.quantization != "none" and fast_path is None:
+        raise ValueError(
+            f"quantization must be none where the CPU fast path cannot serve (here: {device}, "
+            f"the log says why), got {cfg.quantization}"
+        )
     ops = attention_ops(device, cfg.attention_backend, c_kernels=fast_path is not None)
     if ops.name == "triton" and kv_dtype != dtype:
         raise ValueError(

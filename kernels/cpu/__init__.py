@@ -5,11 +5,13 @@ compiler, the model runs in plain torch with the same tokens.
 The runner and the Worker use one interface, fast_path.CpuFastPath. Behind it:
     build.py            compile csrc/ into one library, cached per user
     bindings.py         load it: the ctypes signatures, one typed wrapper per kernel
+    panel_bindings.py   ... those of the panel products: each kind of panels' packing
     csrc/               the C sources and headers
     attention.py        the `cpu` attention backend (C paged attention, torch fallbacks), store_kv,
                         argmax_rows
     elementwise.py      RMSNorm, RoPE, SiLU-and-multiply in C (ElementwiseOps)
     panels.py           weights packed in panels: PanelLinear, PackedLinear, GreedyHead
+    quantize.py         int8 weights with a scale per output channel (quantization int8)
     lm_head.py          the LM head's copies: the greedy head and its screens, oneDNN's packed one
     screened_head.py    greedy tokens behind a bf16 screen, exact
     screened_head_int8.py  the same behind an AMX int8 screen

@@ -3,8 +3,9 @@
 `load()` builds (build.py) and loads the library once per process, declaring every function's
 argument and result types; None where there is no compiler, the build fails or the platform is
 not Linux, with the reason logged once (the fast path then stays off: kernels/cpu/fast_path.py).
-Each wrapper below takes torch tensors, checks nothing the caller already guarantees (its
-docstring says what it expects) and raises on a kernel's error status.
+Each wrapper below (those of the panel products: panel_bindings.py) takes torch tensors, checks
+nothing the caller already guarantees (its docstring says what it expects) and raises on a
+kernel's error status.
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ import subprocess
 
 import torch
 
-from . import build, huge_pages
+from . import build
 
 log = logging.getLogger(__name__)
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The compiled library, or None (no compiler, a failed build, not Linux), said once."""
+def load(march: str = "native") -> ctypes.CDLL | None:
+    """The compiled library, or None (no compiler, a failed build, not Linux), said once.
+    `march`: what it is compiled for (build.build; tests load an x86-64-v3 build to run the
+    AVX2 paths of an AVX-512 CPU)."""
     try:
-        path = build.build()
+        path = build.build(march)
         if path is None:
             log.warning("no C compiler: the CPU kernels stay on their torch paths")
             return None
@@ -58,9 +61,13 @@ def load() -> ctypes.CDLL | None:
     lib.panel_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr]
     lib.greedy_head_bf16.restype = ctypes.c_int
     lib.greedy_head_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
-    for width in (lib.panel_width_bf16, lib.panel_bf16_native):
+    for width in (lib.panel_width_bf16, lib.panel_bf16_native, lib.panel_width_int8):
         width.restype = i64
         width.argtypes = []
+    lib.panel_bytes_int8.restype = i64
+    lib.panel_bytes_int8.argtypes = [i64]
+    lib.panel_linear_int8.restype = ctypes.c_int
+    lib.panel_linear_int8.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
     for store in (lib.store_kv, lib.store_kv_bf16):
@@ -136,91 +143,6 @@ def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
     lib.argmax_rows(
         logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr()
     )
-    return out
-
-
-def pack_panels(lib: ctypes.CDLL, weight: torch.Tensor, huge: bool = True) -> torch.Tensor:
-    """A weight [N, K] (any layout) -> the panels cpu_panel_gemm.c reads: [ceil(N / NR), K, NR]
-    with panel p, element (i, j) = weight[p * NR + j, i], zero past N (NR: the library's
-    width); on huge pages where `huge` (every decode step streams them)."""
-    width = lib.panel_width()
-    rows, cols = weight.shape
-    padded = torch.zeros(-(-rows // width) * width, cols, dtype=torch.float32)
-    padded[:rows] = weight
-    panels = huge_pages.empty((padded.shape[0] // width, cols, width), torch.float32, huge)
-    return panels.copy_(padded.view(-1, width, cols).transpose(1, 2))
-
-
-def pack_panels_bf16(lib: ctypes.CDLL, weight: torch.Tensor, huge: bool = True) -> torch.Tensor:
-    """A bf16 weight [N, K] (any layout) -> the panels cpu_panel_gemm_bf16.c reads, as int32
-    pairs [ceil(N / NR), ceil(K / 2), NR]: pair (i, j) of panel p holds weight[p * NR + j, 2i] in
-    its low half and weight[p * NR + j, 2i + 1] in its high half, zero past N and K (NR: the
-    library's bf16 width); on huge pages where `huge`."""
-    width = lib.panel_width_bf16()
-    rows, cols = weight.shape
-    padded = torch.zeros(-(-rows // width) * width, -(-cols // 2) * 2, dtype=torch.bfloat16)
-    padded[:rows, :cols] = weight
-    pairs = padded.view(torch.int32)  # little-endian: element 2i is the low half
-    shape = (pairs.shape[0] // width, pairs.shape[1], width)
-    panels = huge_pages.empty(shape, torch.int32, huge)
-    return panels.copy_(pairs.view(-1, width, pairs.shape[1]).transpose(1, 2))
-
-
-def panel_linear_bf16(
-    lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """x [M, K] bf16 (rows may be strided, columns contiguous), panels from pack_panels_bf16 of
-    a weight [n, K] -> x @ weight.T [M, n] in `dtype`: bf16 (rounded to nearest even) or fp32
-    (see cpu_panel_gemm_bf16.c)."""
-    out = torch.empty(x.shape[0], n, dtype=dtype)
-    wide = dtype == torch.float32
-    status = lib.panel_linear_bf16(
-        x.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        x.stride(0),
-        panels.data_ptr(),
-        n,
-        out.data_ptr() if wide else None,
-        None if wide else out.data_ptr(),
-    )
-    if status != 0:
-        raise MemoryError("panel_linear_bf16 could not allocate its buffer")
-    return out
-
-
-def panel_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] fp32 (rows may be strided, columns contiguous), panels from pack_panels of a
-    weight [n, K] -> x @ weight.T [M, n] (see cpu_panel_gemm.c)."""
-    out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    status = lib.panel_linear(
-        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), panels.data_ptr(), n, out.data_ptr()
-    )
-    if status != 0:
-        raise MemoryError("panel_linear could not allocate its buffer")
-    return out
-
-
-def greedy_head(
-    lib: ctypes.CDLL, hidden: torch.Tensor, panels: torch.Tensor, vocab: int
-) -> torch.Tensor:
-    """hidden [N, H] fp32 (rows may be strided, columns contiguous), panels from pack_panels
-    -> [N] int64: (hidden @ weight.T).max(dim=-1).indices, the logits never written (see
-    cpu_panel_gemm.c). bf16 hidden with panels from pack_panels_bf16: the same over fp32 sums of
-    the bf16 products (cpu_panel_gemm_bf16.c)."""
-    out = torch.empty(hidden.shape[0], dtype=torch.int64)
-    function = lib.greedy_head_bf16 if hidden.dtype == torch.bfloat16 else lib.greedy_head
-    status = function(
-        hidden.data_ptr(),
-        hidden.shape[0],
-        hidden.shape[1],
-        hidden.stride(0),
-        panels.data_ptr(),
-        vocab,
-        out.data_ptr(),
-    )
-    if status != 0:
-        raise MemoryError("greedy_head could not allocate its buffers")
     return out
 
 

@@ -16,11 +16,16 @@ paged cache directly, with cpu_attention.h), cpu_decode_bf16.c (a decode's work 
 cache: bf16 products, online softmax), cpu_store_kv.c (writing a step's K/V into it),
 cpu_argmax.c (greedy sampling's argmax), cpu_panel_gemm.c and cpu_panel_gemm_bf16.c (decode-sized
 products against fp32 or bf16 weights packed in panels: the projections, and the LM head with
-that argmax fused; their shared loop in cpu_panel.h and cpu_panel_loop.h), cpu_elementwise.c
+that argmax fused; their shared loop in cpu_panel.h and cpu_panel_loop.h), cpu_panel_gemm_int8.c
+(the same loop over int8 weights with fp32 scales: `quantization int8`), cpu_elementwise.c
 (RMSNorm with its residual add, SiLU-and-multiply, RoPE), cpu_decode_stack.c (a whole decode step
 through those kernels in one call), cpu_step_inputs.c (a decode step's flat inputs), cpu_screen.c
 and cpu_screen_int8.c (greedy tokens behind a bf16 or an AMX int8 screen); cpu_vec.h and
 cpu_kernels.h are shared.
+
+The library serves with -march=native. A test may also build it for another x86 level
+(`build("x86-64-v3")`: AVX2 and FMA, no AVX-512) to run the kernels' narrower vector paths on a
+CPU that has wider ones; such a build is cached beside the native one under its own name.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ SOURCES = tuple(
         "cpu_argmax.c",
         "cpu_panel_gemm.c",
         "cpu_panel_gemm_bf16.c",
+        "cpu_panel_gemm_int8.c",
         "cpu_elementwise.c",
         "cpu_store_kv.c",
         "cpu_decode_stack.c",
@@ -79,10 +85,12 @@ def _cpu_model() -> str:
     return "\n".join(line for line in lines if line.startswith(("model name", "flags")))
 
 
-def build() -> Path | None:
-    """Compile the sources (or find them compiled) -> the library's path; None without a compiler.
+def build(march: str = "native") -> Path | None:
+    """Compile the sources for `march` (gcc's -march: native, or an x86 level such as x86-64-v3
+    for tests) or find them compiled -> the library's path; None without a compiler.
 
     Raises RuntimeError when the compiler fails."""
+    flags = tuple(f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS)
     given = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if given is None or platform.system() != "Linux":
         return None
@@ -92,21 +100,23 @@ def build() -> Path | None:
         "\0".join(
             [
                 *(f.read_text() for f in SOURCES + HEADERS),
-                *FLAGS,
+                *flags,
                 version,
                 platform.machine(),
                 _cpu_model(),
             ]
         ).encode()
     ).hexdigest()[:16]
-    target = cache_dir() / f"cpu_kernels-{key}.so"
+    # native: cpu_kernels-<key>.so; another level: cpu_kernels-<march>-<key>.so
+    tag = "" if march == "native" else f"{march}-"
+    target = cache_dir() / f"cpu_kernels-{tag}{key}.so"
     if target.exists():
         _mark_used(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        command = [*compiler, *map(str, SOURCES), "-o", str(built), *FLAGS]
+        command = [*compiler, *map(str, SOURCES), "-o", str(built), *flags]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{given} failed: {result.stderr.strip()[-2000:]}")

@@ -5,7 +5,9 @@ For an fp32 model the kernels are those the model's layers call one at a time on
 fast path serves them (panels, C elementwise ops, the `cpu` attention backend), in the same
 order, so the hidden states are the same to the bit. A bf16 model (bf16 embedding, bf16 panels
 and KV caches) keeps fp32 activations inside the step, rounding each projection's input and the
-new K/V to bf16: close to its layer-by-layer steps, not the same bits.
+new K/V to bf16: close to its layer-by-layer steps, not the same bits. An fp32 model whose
+projections are int8 panels (quantization int8) runs the int8 kernel in their place, the same
+kernel its layers call: the same bits again.
 
 What it saves is the Python between the kernels: a decode step streams the KV cache and the
 weights through the caches, and each of the dozens of calls of the layer-by-layer path then runs
@@ -35,7 +37,7 @@ class _Model(ctypes.Structure):
     _fields_ = [
         *((name, _i64) for name in (
             "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
-            "num_blocks", "block_size", "max_position", "vocab", "bf16",
+            "num_blocks", "block_size", "max_position", "vocab", "bf16", "int8",
         )),
         ("eps", _f32),
         ("scale", _f32),
@@ -49,8 +51,9 @@ class _Model(ctypes.Structure):
 
 class StackLayer(NamedTuple):
     """One decoder layer's tensors: norm weights [hidden] fp32, projections as packed panels
-    (bindings.pack_panels, or pack_panels_bf16 for a bf16 model: qkv rows q, k, v heads; gate_up
-    rows gate, up), its KV cache (bf16 for a bf16 model)."""
+    (panel_bindings.pack_panels, pack_panels_bf16 for a bf16 model, or pack_panels_int8 for an fp32
+    one quantized: qkv rows q, k, v heads; gate_up rows gate, up), its KV cache (bf16 for a
+    bf16 model)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -92,11 +95,13 @@ class DecodeStack:
         final_norm: torch.Tensor,
         layers: list[StackLayer],
     ):
-        """embed [vocab, hidden] fp32 (with fp32 panels and caches) or bf16 (with bf16 panels
-        and caches); rope tables and norm weights fp32; all contiguous (else ValueError)."""
+        """embed [vocab, hidden] fp32 (with fp32 or int8 panels, fp32 caches) or bf16 (with
+        bf16 panels and caches); rope tables and norm weights fp32; all contiguous (else
+        ValueError)."""
         tensors = [embed, *rope_tables, final_norm, *(t for layer in layers for t in layer)]
         bf16 = embed.dtype == torch.bfloat16
-        weights = (torch.int32 if bf16 else torch.float32,) * 4
+        int8 = not bf16 and layers[0].qkv.dtype == torch.int8
+        weights = (torch.int32 if bf16 else torch.int8 if int8 else torch.float32,) * 4
         caches = (torch.bfloat16 if bf16 else torch.float32,) * 2
         expected = [embed.dtype] + [torch.float32] * 3
         expected += [d for _ in layers for d in (torch.float32,) * 2 + weights + caches]
@@ -114,7 +119,7 @@ class DecodeStack:
         self._model = _Model(
             len(layers), shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim,
             shape.intermediate, k_cache.shape[0], k_cache.shape[1], rope_tables[0].shape[0],
-            embed.shape[0], int(bf16), shape.eps, shape.scale, embed.data_ptr(),
+            embed.shape[0], int(bf16), int(int8), shape.eps, shape.scale, embed.data_ptr(),
             rope_tables[0].data_ptr(),
             rope_tables[1].data_ptr(), final_norm.data_ptr(), self._layers,
         )  # fmt: skip

@@ -1,11 +1,14 @@
 """The CPU fast path's one interface: what the Worker's runner and its model get from it.
 
-Built from three EngineConfig fields: `cpu_fast_path` (off: the model runs in plain torch, the
-same tokens), `greedy_head_screen` (lm_head.py) and `transparent_huge_pages` (huge_pages.py).
-`prepare` rewrites the model for the CPU once, after loading: each projection's weight stored
-column-major (MKL's small-batch products read W.T row by row) and, where it has no bias, its
-Linear replaced by a PackedLinear with the weight also in panels (panels.py); copies of the LM
-head (lm_head.py); the decode stack over the KV caches (decode_stack.py). Its elementwise ops
+Built from four EngineConfig fields: `cpu_fast_path` (off: the model runs in plain torch, the
+same tokens), `greedy_head_screen` (lm_head.py), `transparent_huge_pages` (huge_pages.py) and
+`quantization`. `prepare` rewrites the model for the CPU once, after loading: each projection's
+weight stored column-major (MKL's small-batch products read W.T row by row) and, where it has no
+bias, its Linear replaced by a PackedLinear with the weight also in panels (panels.py); copies
+of the LM head (lm_head.py); the decode stack over the KV caches (decode_stack.py). With
+`quantization` int8 (an fp32 model) each bias-free projection is quantized as it is packed and
+its panels are then its only copy (quantize.py); the embedding, the norms and the LM head stay
+fp32, and the decode stack runs over the int8 panels. Its elementwise ops
 (`elementwise`) are given to the model when it is built, and its attention is the `cpu` backend
 (kernels.attention_ops). A bf16 model, where the CPU multiplies bf16 natively (capability.py,
 or `native_bf16` given), gets its projections packed in bf16 panels and an exact bf16 greedy
@@ -47,13 +50,16 @@ class CpuFastPath:
         screen: str = "auto",
         huge: bool = True,
         native_bf16: bool | None = None,
+        quantization: str = "none",
     ) -> None:
         """native_bf16: whether bf16 weights get the bf16 kernels (None: where the CPU has bf16
-        products, capability.cpu_has_bf16)."""
+        products, capability.cpu_has_bf16). quantization: EngineConfig.quantization (int8: an
+        fp32 model's projections in int8 panels)."""
         self.lib = lib
         self.screen = screen
         self.huge = huge
         self.native_bf16 = cpu_has_bf16() if native_bf16 is None else native_bf16
+        self.int8 = quantization == "int8"
         self.elementwise: ElementwiseOps = C_ELEMENTWISE
         self._model: nn.Module | None = None
         self._greedy_head = None  # GreedyHead | ScreenedHead, see lm_head.greedy_head
@@ -74,7 +80,10 @@ class CpuFastPath:
         lib = bindings.load()  # logs why when there is none
         if lib is None:
             return None
-        return cls(lib, config.greedy_head_screen, config.transparent_huge_pages)
+        return cls(
+            lib, config.greedy_head_screen, config.transparent_huge_pages,
+            quantization=config.quantization,
+        )  # fmt: skip
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zeroed CPU tensor on huge pages where asked: for the KV cache, which every decode
@@ -88,12 +97,14 @@ class CpuFastPath:
         decode stack over `kv_caches` where it serves (None: no decode stack). A bf16 model gets
         bf16 panels, a bf16 greedy head and, over a bf16 KV cache, the decode stack where
         native_bf16 (else its weights stay as loaded and its steps run through the model, plain
-        torch); an fp32 model over a bf16 KV cache gets no decode stack."""
+        torch); an fp32 model over a bf16 KV cache gets no decode stack. With int8 quantization
+        an fp32 model's bias-free projections keep only their int8 panels."""
         self._model = model
+        self._pack_projections(model)  # before the copies below: int8 panels replace weights
         for module in model.modules():
-            if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
-                module.weight.data = module.weight.data.t().contiguous().t()
-        self._pack_projections(model)
+            if isinstance(module, nn.Linear) and module.weight is not None:
+                if module.weight.dtype == torch.float32:
+                    module.weight.data = module.weight.data.t().contiguous().t()
         weight = model.lm_head_weight()
         if weight.device.type == "cpu" and weight.dtype == torch.float32:
             self._greedy_head = lm_head.greedy_head(weight, self.screen, self.huge)
@@ -104,15 +115,25 @@ class CpuFastPath:
             self._pack_decode_stack(model, kv_caches)
 
     def _pack_projections(self, model: nn.Module) -> None:
-        """Each decoder layer's bias-free fp32 Linear -> a PackedLinear sharing its weight."""
+        """Each decoder layer's bias-free Linear -> a PackedLinear sharing its weight, or over
+        int8 panels (quantization int8, an fp32 weight) holding the weight alone."""
+        quantized = kept = 0
         for layer in model.model.layers:
             for parent in (layer.self_attn, layer.mlp):
                 for name, child in list(parent.named_children()):
                     if type(child) is not nn.Linear or child.bias is not None:
+                        kept += type(child) is nn.Linear
                         continue
-                    panel = PanelLinear.for_weight(child.weight, self.huge, self.native_bf16)
+                    int8 = self.int8 and child.weight.dtype == torch.float32
+                    panel = PanelLinear.for_weight(child.weight, self.huge, self.native_bf16, int8)
                     if panel is not None:
                         setattr(parent, name, PackedLinear(child, panel))
+                        quantized += int8
+        if self.int8:
+            log.info(
+                "quantization int8: %d projections in int8 panels, %d with a bias kept as "
+                "loaded", quantized, kept,
+            )  # fmt: skip
 
     def _pack_decode_stack(self, model: nn.Module, kv_caches) -> bool:
         """Let decode steps run the whole decoder in one C call, over these KV caches: only

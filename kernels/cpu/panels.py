@@ -1,11 +1,16 @@
-"""Weights packed once into the panels csrc/cpu_panel_gemm.c (fp32) and csrc/cpu_panel_gemm_bf16.c
-(bf16) read, for products with decode-sized batches on CPU: the projections (PanelLinear, served
-through PackedLinear, which takes a Linear's place in the model) and the LM head with greedy
-sampling fused in (GreedyHead).
+"""Weights packed once into the panels csrc/cpu_panel_gemm.c (fp32), csrc/cpu_panel_gemm_bf16.c
+(bf16) and csrc/cpu_panel_gemm_int8.c (int8 with fp32 scales) read, for products with
+decode-sized batches on CPU: the projections (PanelLinear, served through PackedLinear, which
+takes a Linear's place in the model) and the LM head with greedy sampling fused in (GreedyHead).
 
 bf16 weights are packed only where the CPU multiplies bf16 in hardware (capability.py; a test
 may say so instead): elsewhere the C kernel would widen every pair to fp32, no faster than
 torch, so a bf16 model there keeps its plain Linears.
+
+An fp32 weight may instead be quantized to int8 (quantize.py) as it is packed (`int8`): the
+panels then hold the only copy of the weight, and every product with it, prefill-sized ones too,
+runs on them in fp32 arithmetic (the kernel at prefill sizes is about as fast as torch's fp32
+GEMM, so no fp32 copy is kept for them, nor is one made per call).
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import bindings
+from . import bindings, panel_bindings
 from .capability import cpu_has_bf16
+from .quantize import quantize_int8
 
 PANEL_ROWS = 128  # at most this many rows, a projection uses its packed panels
 
@@ -26,30 +32,41 @@ _Packed = TypeVar("_Packed", bound="PanelWeight")
 
 class PanelWeight:
     """A weight [N, K] (any layout), fp32 or bf16, packed once into the panels of its dtype's
-    kernel. Holds the copy (on huge pages where `huge`: every decode step streams it)."""
+    kernel, or an fp32 one quantized to int8 (`int8`; its inputs and outputs stay fp32). Holds
+    the copy (on huge pages where `huge`: every decode step streams it)."""
 
-    def __init__(self, lib, weight: torch.Tensor, huge: bool = True):
+    def __init__(self, lib, weight: torch.Tensor, huge: bool = True, int8: bool = False):
         self._lib = lib
         self.out_features = weight.shape[0]
-        self.dtype = weight.dtype
-        pack = bindings.pack_panels_bf16 if self.dtype == torch.bfloat16 else bindings.pack_panels
-        self.panels = pack(lib, weight, huge)
+        self.dtype = weight.dtype  # of the rows it takes and gives
+        self.int8 = int8
+        if int8:
+            self.panels = panel_bindings.pack_panels_int8(lib, *quantize_int8(weight), huge)
+        elif self.dtype == torch.bfloat16:
+            self.panels = panel_bindings.pack_panels_bf16(lib, weight, huge)
+        else:
+            self.panels = panel_bindings.pack_panels(lib, weight, huge)
 
     @classmethod
     def for_weight(
-        cls: type[_Packed], weight: torch.Tensor, huge: bool = True, bf16: bool | None = None
+        cls: type[_Packed],
+        weight: torch.Tensor,
+        huge: bool = True,
+        bf16: bool | None = None,
+        int8: bool = False,
     ) -> _Packed | None:
-        """None where it cannot serve: not a CPU matrix, no C compiler, not fp32 nor bf16, or
-        bf16 where `bf16` is False (None: where the CPU has bf16 products, cpu_has_bf16)."""
+        """None where it cannot serve: not a CPU matrix, no C compiler, not fp32 nor bf16, bf16
+        where `bf16` is False (None: where the CPU has bf16 products, cpu_has_bf16), or `int8`
+        (quantize it) for a weight not fp32."""
         if weight.device.type != "cpu" or weight.dim() != 2:
             return None
-        if weight.dtype == torch.bfloat16:
+        if weight.dtype == torch.bfloat16 and not int8:
             if not (cpu_has_bf16() if bf16 is None else bf16):
                 return None
         elif weight.dtype != torch.float32:
             return None
         lib = bindings.load()
-        return cls(lib, weight, huge) if lib is not None else None
+        return cls(lib, weight, huge, int8) if lib is not None else None
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """x in the weight's dtype, its columns contiguous (what the kernels read)."""
@@ -58,13 +75,18 @@ class PanelWeight:
 
     def product(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [M, K] -> x @ weight.T [M, N] in `out_dtype` (default: the weight's; a bf16 weight
-        may also give fp32 sums, an fp32 one gives fp32)."""
+        may also give fp32 sums, an fp32 one gives fp32; an int8 one gives fp32, the products
+        with its dequantized weight up to the order of the sums)."""
+        if self.int8:
+            return panel_bindings.panel_linear_int8(
+                self._lib, self._rows(x), self.panels, self.out_features
+            )
         if self.dtype == torch.bfloat16:
             out_dtype = out_dtype or torch.bfloat16
-            return bindings.panel_linear_bf16(
+            return panel_bindings.panel_linear_bf16(
                 self._lib, self._rows(x), self.panels, self.out_features, out_dtype
             )
-        return bindings.panel_linear(self._lib, self._rows(x), self.panels, self.out_features)
+        return panel_bindings.panel_linear(self._lib, self._rows(x), self.panels, self.out_features)
 
 
 class GreedyHead(PanelWeight):
@@ -74,7 +96,9 @@ class GreedyHead(PanelWeight):
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (the head's dtype) -> [N] int64 token ids."""
-        return bindings.greedy_head(self._lib, self._rows(hidden), self.panels, self.out_features)
+        return panel_bindings.greedy_head(
+            self._lib, self._rows(hidden), self.panels, self.out_features
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, vocab] fp32, the values __call__ compares."""
@@ -95,16 +119,23 @@ class PackedLinear(nn.Linear):
     """A bias-free Linear that keeps its packed panels: batches of at most PANEL_ROWS rows in the
     panels' dtype (decode steps) go through PanelLinear, larger ones (prefill) and other dtypes
     through F.linear as before. Shares the original's weight Parameter, so names, shapes and
-    values stay the same."""
+    values stay the same. Over int8 panels there is no fp32 weight (`weight` is None): every
+    product, of any size, goes through the panels."""
 
     def __init__(self, linear: nn.Linear, panel: PanelLinear) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
+        if panel.int8:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = linear.weight
         self.register_parameter("bias", None)
         self.panel = panel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:  # int8 panels
+            rows = self.panel(x.reshape(-1, self.in_features))
+            return rows.reshape(*x.shape[:-1], self.out_features)
         if x.dim() == 2 and x.shape[0] <= PANEL_ROWS and x.dtype == self.panel.dtype:
             return self.panel(x)
         return F.linear(x, self.weight)

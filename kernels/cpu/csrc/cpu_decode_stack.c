@@ -5,7 +5,9 @@
  * bf16 embedding, panels from pack_panels_bf16, bf16 KV caches; norm weights and rope tables in
  * fp32) keeps its activations in fp32 inside the step: each projection's input rounded to bf16
  * for panel_linear_bf16 (fp32 out), the new K/V rounded to bf16 into the cache, attention over
- * the bf16 cache in fp32 -- close to the model's own bf16 steps, not the same bits.
+ * the bf16 cache in fp32 -- close to the model's own bf16 steps, not the same bits. An fp32 model
+ * quantized to int8 (`int8`: panels from pack_panels_int8) goes through panel_linear_int8 where
+ * the fp32 one calls panel_linear, the rest unchanged: the same bits as its layer-by-layer steps.
  *
  * Why: a decode step streams the KV cache and the weights through the caches (tens of MB), and
  * each of the dozens of Python calls between the kernels then runs on a cold interpreter, several
@@ -35,13 +37,13 @@
 
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
-    const void *qkv, *o, *gate_up, *down; /* panels (pack_panels, or pack_panels_bf16) */
+    const void *qkv, *o, *gate_up, *down; /* panels (pack_panels, _bf16 or _int8) */
     void *k_cache, *v_cache;              /* [num_blocks, block_size, Hkv, D], fp32 or bf16 */
 } stack_layer;
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int64_t num_blocks, block_size, max_position, vocab, bf16;
+    int64_t num_blocks, block_size, max_position, vocab, bf16, int8;
     float eps, scale;
     const void *embed;       /* [vocab, hidden], fp32 or bf16 */
     const float *cos, *sin;  /* [max_position, D] rope tables (RotaryEmbedding's layout) */
@@ -103,10 +105,11 @@ static void round_rows(const float *x, int64_t stride, int64_t n, int64_t width,
     }
 }
 
-/* out [n, N] fp32 = a [n, k] (rows k apart) @ W.T, W packed for the model's dtype; `rounded`
- * (room for n rows of k bf16) holds a rounded for a bf16 model. Returns 0 or -1. */
+/* out [n, N] fp32 = a [n, k] (rows k apart) @ W.T, W packed for the model's dtype (or int8);
+ * `rounded` (room for n rows of k bf16) holds a rounded for a bf16 model. Returns 0 or -1. */
 static int project(const stack_model *m, const float *a, int64_t n, int64_t k,
                    const void *panels, int64_t N, float *out, uint16_t *rounded) {
+    if (m->int8) return panel_linear_int8(a, n, k, k, panels, N, out);
     if (!m->bf16) return panel_linear(a, n, k, k, panels, N, out);
     round_rows(a, k, n, k, rounded);
     return panel_linear_bf16(rounded, n, k, k, panels, N, out, NULL);

@@ -1,11 +1,13 @@
-/* What the panel products (cpu_panel_gemm.c in fp32, cpu_panel_gemm_bf16.c in bf16) share: the
- * tile shape, the loop over tiles with its next-panel prefetch, and what is done with each tile
- * (stored, or folded into each row's best column for the fused greedy head).
+/* What the panel products (cpu_panel_gemm.c in fp32, cpu_panel_gemm_bf16.c in bf16,
+ * cpu_panel_gemm_int8.c with int8 weights) share: the tile shape, the loop over tiles with its
+ * next-panel prefetch, and what is done with each tile (stored, or folded into each row's best
+ * column for the fused greedy head).
  *
- * Both kinds of panel hold 4-byte elements: an fp32 panel is k rows of NR floats, a bf16 panel
- * k2 = ceil(k / 2) rows of NR pairs of bf16. Likewise the copy of `a`'s rows, [row block][steps]
- * [MR] (steps = k floats, or k2 pairs). So one loop serves both (cpu_panel_loop.h), given the
- * two functions that differ: a row block's copy and one tile's products.
+ * An fp32 panel is k rows of NR floats, a bf16 panel k2 = ceil(k / 2) rows of NR pairs of bf16,
+ * an int8 panel NR fp32 scales and k rows of NR int8. The copy of `a`'s rows is [row block]
+ * [steps][MR] 4-byte elements (steps = k floats, or k2 pairs of bf16). So one loop serves all
+ * (cpu_panel_loop.h), given the three functions that differ: a row block's copy, a panel's size
+ * and one tile's products.
  *
  * greedy_head compares each tile column with the best value its row has seen in the same lane,
  * a later column replacing it only when strictly greater; at the end the lanes (and threads, in
@@ -35,6 +37,17 @@ static inline void *alloc64(int64_t bytes) {
 /* Room for a [m, k] as [row block][steps][MR] 4-byte elements; NULL when it cannot allocate */
 static inline void *alloc_rows(int64_t m, int64_t steps) {
     return alloc64(4 * ((m + MR - 1) / MR * MR) * steps);
+}
+
+/* Row block rb of a [m, k] fp32 (rows a_stride apart) -> at's [k][MR] floats (zero rows past
+ * m): the copy of `a` the fp32 and int8 panels read. */
+static inline void block_rows_fp32(const float *a, int64_t m, int64_t k, int64_t a_stride,
+                                   int64_t rb, float *at) {
+    float *dst = at + rb * k * MR;
+    for (int r = 0; r < MR; r++) {
+        const int64_t row = rb * MR + r;
+        for (int64_t i = 0; i < k; i++) dst[i * MR + r] = row < m ? a[row * a_stride + i] : 0.0f;
+    }
 }
 
 /* What to do with each tile: store it (panel_linear) or fold it into the rows' best columns. */

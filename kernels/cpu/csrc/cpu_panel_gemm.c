@@ -25,18 +25,18 @@ int64_t panel_width(void) { return NR; }
 /* Row block rb of a [m, k] -> at's [k][MR] (zero rows past m). */
 static void block_rows(const void *a_rows, int64_t m, int64_t k, int64_t a_stride, int64_t rb,
                        void *at) {
-    const float *a = a_rows;
-    float *dst = (float *)at + rb * k * MR;
-    for (int r = 0; r < MR; r++) {
-        const int64_t row = rb * MR + r;
-        for (int64_t i = 0; i < k; i++) dst[i * MR + r] = row < m ? a[row * a_stride + i] : 0.0f;
-    }
+    block_rows_fp32(a_rows, m, k, a_stride, rb, at);
 }
 
-/* c = one MR x NR tile of products over k; meanwhile the next panel's slice is prefetched. */
+/* A panel: k rows of NR floats. */
+static inline int64_t panel_bytes(int64_t k) { return 4 * k * NR; }
+
+/* c = one MR x NR tile of products over k (all MR rows: those past m multiply zeros);
+ * meanwhile the next panel's slice is prefetched. */
 static inline __attribute__((always_inline)) void tile(
-    const void *at_block, const void *panel_start, int64_t k, const char *prefetch,
+    const void *at_block, const void *panel_start, int64_t k, int rows, const char *prefetch,
     int64_t prefetch_lines, vf c[MR][NRV]) {
+    (void)rows;
     const float *at = at_block, *panel = panel_start;
     const int64_t lines_per_step = (prefetch_lines + k - 1) / k;
     for (int r = 0; r < MR; r++)

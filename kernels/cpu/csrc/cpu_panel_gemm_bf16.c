@@ -51,11 +51,15 @@ static void block_rows(const void *a_rows, int64_t m, int64_t k, int64_t a_strid
 
 typedef uint32_t vu_mem __attribute__((vector_size(4 * VW), aligned(4), may_alias));
 
-/* c = one MR x NR tile of products over k2 pairs; meanwhile the next panel's slice is
- * prefetched. */
+/* A panel: k2 = ceil(k / 2) rows of NR pairs. */
+static inline int64_t panel_bytes(int64_t k) { return 4 * ((k + 1) / 2) * NR; }
+
+/* c = one MR x NR tile of products over k2 pairs (all MR rows: those past m multiply zeros);
+ * meanwhile the next panel's slice is prefetched. */
 static inline __attribute__((always_inline)) void tile(
-    const void *at_block, const void *panel_start, int64_t k2, const char *prefetch,
+    const void *at_block, const void *panel_start, int64_t k2, int rows, const char *prefetch,
     int64_t prefetch_lines, vf c[MR][NRV]) {
+    (void)rows;
     const uint32_t *at = at_block, *panel = panel_start;
     const int64_t lines_per_step = (prefetch_lines + k2 - 1) / k2;
     for (int r = 0; r < MR; r++)

@@ -1,13 +1,17 @@
 /* The loop over a product's tiles (cpu_panel.h), included once by each panel file after it has
- * defined the two functions that differ between fp32 and bf16, so that both are inlined:
+ * defined the three functions that differ between fp32, bf16 and int8, so that they are inlined:
  *
  *   static void block_rows(const void *a, int64_t m, int64_t k, int64_t a_stride, int64_t rb,
  *                          void *at);
  *       row block rb of a (rows a_stride elements apart) -> its [steps][MR] copy in at;
- *   static inline void tile(const void *at, const void *panel, int64_t steps,
+ *   static inline int64_t panel_bytes(int64_t k);
+ *       the bytes of one panel of a weight with k columns (panels lie that far apart);
+ *   static inline void tile(const void *at, const void *panel, int64_t steps, int rows,
  *                           const char *prefetch, int64_t prefetch_lines, vf c[MR][NRV]);
- *       c = one MR x NR tile of products over `steps`; meanwhile prefetches `prefetch_lines`
- *       cache lines from `prefetch` (a slice of the next panel) into L2.
+ *       c = one MR x NR tile of products over `steps`, of which the first `rows` (1 .. MR) are
+ *       rows of a (a kernel may skip the others: their products are never stored nor chosen);
+ *       meanwhile prefetches `prefetch_lines` cache lines from `prefetch` (a slice of the next
+ *       panel) into L2.
  *
  * No include guard: each including file gets its own static copy.
  */
@@ -16,7 +20,7 @@
 static int for_each_tile(const void *a, int64_t a_stride, void *at, int64_t m, int64_t k,
                          int64_t steps, const void *packed, const epilogue *e, int greedy) {
     const int64_t row_blocks = (m + MR - 1) / MR, panels = (e->n + NR - 1) / NR;
-    const int64_t panel_bytes = 4 * steps * NR, lines_per_panel = panel_bytes / 64;
+    const int64_t panel_size = panel_bytes(k), lines_per_panel = panel_size / 64;
     const int64_t block_bytes = 4 * steps * MR;
     int threads = 1;
 #pragma omp parallel
@@ -32,12 +36,13 @@ static int for_each_tile(const void *a, int64_t a_stride, void *at, int64_t m, i
         const int64_t first = panels * t / nt, end = panels * (t + 1) / nt;
         vf c[MR][NRV];
         for (int64_t p = first; p < end; p++) {
-            const char *panel = (const char *)packed + p * panel_bytes;
+            const char *panel = (const char *)packed + p * panel_size;
             for (int64_t rb = 0; rb < row_blocks; rb++) {
                 const int64_t l0 = lines_per_panel * rb / row_blocks;
                 const int64_t l1 = lines_per_panel * (rb + 1) / row_blocks;
-                tile((const char *)at + rb * block_bytes, panel, steps,
-                     panel + panel_bytes + l0 * 64, p + 1 < end ? l1 - l0 : 0, c);
+                const int rows = m - rb * MR < MR ? (int)(m - rb * MR) : MR;
+                tile((const char *)at + rb * block_bytes, panel, steps, rows,
+                     panel + panel_size + l0 * 64, p + 1 < end ? l1 - l0 : 0, c);
                 if (greedy)
                     fold_tile(e, t, c, rb * MR, p * NR);
                 else

@@ -1,6 +1,6 @@
 /* Vector helpers shared by the CPU kernels (cpu_decode.c, cpu_elementwise.c, cpu_argmax.c, ...):
  * GCC vector extensions of VW floats (16 with AVX-512, 8 with AVX, else 4) plus FMA / max
- * intrinsics where the target has them, and bf16 loads and rounding; -std=c11 keeps gcc from
+ * intrinsics where the target has them, bf16 loads and rounding, int8 loads; -std=c11 keeps gcc from
  * contracting a * b + c by itself. */
 #ifndef ACTORSERVE_CPU_VEC_H
 #define ACTORSERVE_CPU_VEC_H
@@ -45,6 +45,18 @@ INLINE vf load_bf16(const uint16_t *p) {
     return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p)), 16);
 #else
     return (vf)(__builtin_convertvector(*(const vh_mem *)p, vu) << 16);
+#endif
+}
+
+/* VW int8 at p (any alignment), widened to fp32 (exact): vpmovsxbd + vcvtdq2ps. */
+typedef int8_t vc_mem __attribute__((vector_size(VW), aligned(1), may_alias));
+INLINE vf load_int8(const int8_t *p) {
+#if VW == 16
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p)));
+#elif VW == 8 && defined(__AVX2__)
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)p)));
+#else
+    return __builtin_convertvector(*(const vc_mem *)p, vf);
 #endif
 }
 
