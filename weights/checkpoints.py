@@ -275,6 +275,12 @@ def demo_sources(held_out: bool) -> list[tuple[str, Path]]:
 
 
 def _build_tokenizer(out: Path) -> None:
+    train_tokenizer(corpus(), VOCAB_SIZE, out)
+
+
+def train_tokenizer(texts: Iterator[str], vocab_size: int, out: Path) -> None:
+    """A byte-level BPE of `vocab_size` trained on `texts` (the special tokens first, ids 0..4):
+    out/tokenizer.json and out/tokenizer_config.json, as every checkpoint here carries."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=UNK))
@@ -286,12 +292,12 @@ def _build_tokenizer(out: Path) -> None:
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(), trainer)
+    tok.train_from_iterator(texts, trainer)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
