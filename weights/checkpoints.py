@@ -55,13 +55,11 @@ PRETOKENIZE_REGEX = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # Trained, not random: the checkpoint `bash scripts/demo.sh` serves, committed in the repo and
-# reproduced by scripts/train_demo.py (a Llama that writes Python-looking text). Its kind name
+# reproduced by scripts/train_demo.py (a Llama that writes Python-looking text; its data is
+# python_corpus.py's, its tokenizer its own, not the shared one). Its kind name
 # resolves to the directory; it is never built here.
 TRAINED_DEMO_KIND = "demo-python"
 TRAINED_DEMO = Path(__file__).resolve().parent / TRAINED_DEMO_KIND
-# stdlib folders the trained demo does not learn from: the test suite and the codec tables are
-# mostly data (and idlelib GUI code), and the demo should write library-style code
-DEMO_SKIPPED_DIRS = ("test", "tests", "encodings", "idlelib")
 _STAMP = "actorserve_checkpoint.json"
 _RESIDUAL_OUT = ("o_proj.weight", "down_proj.weight")  # projections that write the residual
 
@@ -255,23 +253,6 @@ def corpus(limit: int = CORPUS_BYTES) -> Iterator[str]:
         total += len(data)
         if total >= limit:
             return
-
-
-def is_held_out(relative_path: str) -> bool:
-    """Whether a stdlib file is kept out of the trained demo's training set (~1 in 16, by a hash of
-    its relative path, so the split is the same on every run and machine with this stdlib)."""
-    return hashlib.sha256(relative_path.encode()).digest()[0] < 16
-
-
-def demo_sources(held_out: bool) -> list[tuple[str, Path]]:
-    """The stdlib files the trained demo learns from (or, held_out, is measured on), in path
-    order: every .py file outside DEMO_SKIPPED_DIRS on its side of `is_held_out`."""
-    return [
-        (relative, path)
-        for relative, path in stdlib_sources()
-        if is_held_out(relative) == held_out
-        and not any(part in DEMO_SKIPPED_DIRS for part in relative.split("/")[:-1])
-    ]
 
 
 def _build_tokenizer(out: Path) -> None:
