@@ -11,7 +11,7 @@ model=$(python -m actorserve.weights.checkpoints demo-python)
 host=${HOST:-127.0.0.1}
 port=${PORT:-8000}
 cat >&2 <<MSG
-Serving the demo checkpoint (a small Llama trained on Python's standard library). Try, from
+Serving the demo checkpoint (a small Llama trained on permissively licensed Python). Try, from
 another shell:
   open http://$host:$port/  (the playground)
   curl -s http://$host:$port/v1/completions -H 'Content-Type: application/json' \\

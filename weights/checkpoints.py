@@ -55,13 +55,11 @@ PRETOKENIZE_REGEX = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # Trained, not random: the checkpoint `bash scripts/demo.sh` serves, committed in the repo and
-# reproduced by scripts/train_demo.py (a Llama that writes Python-looking text). Its kind name
+# reproduced by scripts/train_demo.py (a Llama that writes Python-looking text; its data is
+# python_corpus.py's, its tokenizer its own, not the shared one). Its kind name
 # resolves to the directory; it is never built here.
 TRAINED_DEMO_KIND = "demo-python"
 TRAINED_DEMO = Path(__file__).resolve().parent / TRAINED_DEMO_KIND
-# stdlib folders the trained demo does not learn from: the test suite and the codec tables are
-# mostly data (and idlelib GUI code), and the demo should write library-style code
-DEMO_SKIPPED_DIRS = ("test", "tests", "encodings", "idlelib")
 _STAMP = "actorserve_checkpoint.json"
 _RESIDUAL_OUT = ("o_proj.weight", "down_proj.weight")  # projections that write the residual
 
@@ -257,24 +255,13 @@ def corpus(limit: int = CORPUS_BYTES) -> Iterator[str]:
             return
 
 
-def is_held_out(relative_path: str) -> bool:
-    """Whether a stdlib file is kept out of the trained demo's training set (~1 in 16, by a hash of
-    its relative path, so the split is the same on every run and machine with this stdlib)."""
-    return hashlib.sha256(relative_path.encode()).digest()[0] < 16
-
-
-def demo_sources(held_out: bool) -> list[tuple[str, Path]]:
-    """The stdlib files the trained demo learns from (or, held_out, is measured on), in path
-    order: every .py file outside DEMO_SKIPPED_DIRS on its side of `is_held_out`."""
-    return [
-        (relative, path)
-        for relative, path in stdlib_sources()
-        if is_held_out(relative) == held_out
-        and not any(part in DEMO_SKIPPED_DIRS for part in relative.split("/")[:-1])
-    ]
-
-
 def _build_tokenizer(out: Path) -> None:
+    train_tokenizer(corpus(), VOCAB_SIZE, out)
+
+
+def train_tokenizer(texts: Iterator[str], vocab_size: int, out: Path) -> None:
+    """A byte-level BPE of `vocab_size` trained on `texts` (the special tokens first, ids 0..4):
+    out/tokenizer.json and out/tokenizer_config.json, as every checkpoint here carries."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=UNK))
@@ -286,12 +273,12 @@ def _build_tokenizer(out: Path) -> None:
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(), trainer)
+    tok.train_from_iterator(texts, trainer)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
