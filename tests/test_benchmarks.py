@@ -14,7 +14,7 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import bench_common as bc  # noqa: E402
-from floor import engine_floor, matmul_flops  # noqa: E402
+from floor import decode_steps, engine_floor, matmul_flops  # noqa: E402
 
 SHAPE = bc.ModelShape(
     hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=50
@@ -127,6 +127,26 @@ def test_a_bf16_floor_reads_half_the_bytes_of_the_fp32_one():
     bf16 = engine_floor(SHAPE, [request], math.inf, 1e3, weight_value_bytes=2, kv_value_bytes=2)
     assert bf16.gemm_s == pytest.approx(fp32.gemm_s / 2)
     assert bf16.kv_s == pytest.approx(fp32.kv_s / 2)
+
+
+def test_decode_steps_run_every_request_at_once_or_as_many_as_are_in_flight():
+    short, long, last = (bc.Request([7] * p, n) for p, n in ((10, 3), (20, 5), (30, 2)))
+    # all at once: step k decodes every request still short of its output (prefill made token 1)
+    assert decode_steps([short, long, last]) == [[11, 21, 31], [12, 22], [23], [24]]
+    # two in flight: the third starts in the slot the short one frees after its 2 decode steps
+    assert decode_steps([short, long, last], concurrency=2) == [[11, 21], [12, 22], [23, 31], [24]]
+    # one at a time: each request's steps after the one before
+    assert decode_steps([short, long], concurrency=1) == [[11], [12], [21], [22], [23], [24]]
+
+
+def test_a_floor_one_request_at_a_time_reads_the_weights_at_every_step_of_every_request():
+    requests = [bc.Request([7] * 10, 3), bc.Request([7] * 10, 3)]
+    weights = 4 * (SHAPE.layer_matmul_params + SHAPE.lm_head_params)
+    together = engine_floor(SHAPE, requests, peak_flop_s=math.inf, read_bytes_s=1e3)
+    alone = engine_floor(SHAPE, requests, math.inf, 1e3, concurrency=1)
+    assert together.gemm_s == pytest.approx(2 * weights / 1e3)
+    assert alone.gemm_s == pytest.approx(4 * weights / 1e3)
+    assert alone.kv_s == pytest.approx(together.kv_s)  # the same contexts, read in other steps
 
 
 def test_bench_throughput_runs_auto_as_the_checkpoints_own_dtype_and_each_dtype_once():
