@@ -14,25 +14,27 @@ A field marked `extra=NOT_A_FLAG` is resolved by the engine, not set by the user
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal, get_args
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
 
 from .addresses import Addresses
+from .config_checks import (
+    Dtype,
+    GreedyHeadScreen,
+    KvCacheDtype,
+    PreemptionMode,
+    Quantization,
+    VictimPolicy,
+    check_ranges,
+)
 from .model_config import ModelConfig, ModelFacts
-from .quantization import QUANTIZATION_NEEDS, quantization_fits
 from .sharding import ShardLayout
 from .tokenizer import tokenizer_file
 
 NOT_A_FLAG = {"flag": False}  # Meta.extra of a field the program resolves, not a user setting
 
-PreemptionMode = Literal["recompute", "swap"]
-VictimPolicy = Literal["fewest_computed", "last_admitted"]
-GreedyHeadScreen = Literal["auto", "int8", "bf16", "off"]
-Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-KvCacheDtype = Literal["auto", "bfloat16", "float32"]
-Quantization = Literal["none", "int8"]
 # max_num_seqs unset: a GPU step reads each weight once whatever the batch; CPU GEMMs grow with it
 DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
 # torch_threads unset on CUDA: the host thread only launches kernels; more take others' cores
@@ -303,57 +305,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = None
 
     def validate(self) -> None:
-        """Raise ValueError naming the first setting out of range."""
-
-        def one_of(name: str, choices) -> tuple[str, bool, str]:  # choices: a Literal type
-            return name, getattr(self, name) in get_args(choices), f"one of {get_args(choices)}"
-
-        def unset_or_positive(name: str) -> tuple[str, bool, str]:  # an `int | None` setting
-            return name, getattr(self, name) is None or getattr(self, name) >= 1, ">= 1"
-
-        checks = [
-            ("block_size", self.block_size in (8, 16, 32, 64), "one of 8, 16, 32, 64"),
-            unset_or_positive("max_num_seqs"),
-            unset_or_positive("torch_threads"),
-            ("data_parallel_size", self.data_parallel_size >= 1, ">= 1"),
-            ("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1"),
-            ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "in (0, 1]"),
-            ("swap_space_gb", self.swap_space_gb >= 0.0, ">= 0"),
-            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
-            unset_or_positive("num_kv_blocks"),
-            ("max_model_len", self.max_model_len is None or self.max_model_len >= 2, ">= 2"),
-            ("heartbeat_interval_s", self.heartbeat_interval_s > 0, "> 0"),
-            ("omp_spin_count", self.omp_spin_count >= 0, ">= 0"),
-            ("max_client_message_bytes", self.max_client_message_bytes >= 1024, ">= 1024"),
-            ("max_request_output_tokens", self.max_request_output_tokens >= 1, ">= 1"),
-            unset_or_positive("max_client_requests"),
-            unset_or_positive("max_client_output_tokens"),
-            ("max_logprob_entries", self.max_logprob_entries >= 1, ">= 1"),
-            ("max_structured_chars", self.max_structured_chars >= 1, ">= 1"),
-            ("structured_cache_size", self.structured_cache_size >= 2, ">= 2"),
-            ("structured_max_whitespace", self.structured_max_whitespace >= 0, ">= 0"),
-            ("priority_max", self.priority_max >= self.priority_min, ">= priority_min"),
-            ("poison_crashes", self.poison_crashes >= 1, ">= 1"),
-            ("client_lease_s", self.client_lease_s > 0, "> 0"),
-            ("send_timeout_s", self.send_timeout_s > 0, "> 0"),
-            ("client_queue_messages", self.client_queue_messages >= 1, ">= 1"),
-            ("final_only_flush_s", self.final_only_flush_s >= 0, ">= 0"),
-            one_of("preemption_mode", PreemptionMode),
-            one_of("dtype", Dtype),
-            one_of("kv_cache_dtype", KvCacheDtype),
-            one_of("greedy_head_screen", GreedyHeadScreen),
-            one_of("preemption_victim", VictimPolicy),
-            one_of("quantization", Quantization),
-            ("quantization", quantization_fits(self), QUANTIZATION_NEEDS),
-            (
-                "max_num_batched_tokens",
-                self.max_num_seqs is None or self.max_num_batched_tokens >= self.max_num_seqs,
-                f">= max_num_seqs ({self.max_num_seqs}) so every running decode fits in a step",
-            ),
-        ]
-        for name, ok, limit in checks:
-            if not ok:
-                raise ValueError(f"{name} must be {limit}, got {getattr(self, name)}")
+        """Raise ValueError naming the first setting out of range (config_checks.py)."""
+        check_ranges(self)
 
     def client_request_limit(self) -> int:
         """max_client_requests; unset, half of max_live_requests: one client alone may still
