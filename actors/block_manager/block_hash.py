@@ -37,10 +37,16 @@ def chain_root(cache_salt: str | None) -> bytes:
     ).digest()
 
 
+def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The hash of a full block whose tokens are `token_ids`, after the block hashed `parent`."""
+    return hashlib.blake2b(
+        parent + array("q", token_ids).tobytes(), digest_size=DIGEST_SIZE
+    ).digest()
+
+
 def chain_hashes(parent: bytes, token_ids: Sequence[int], block_size: int) -> Iterator[bytes]:
-    """The hash of each full block of `token_ids` in turn, chained from `parent` (the module's
-    formula); lazily (a lookup stops at its first miss), the ids packed once (a quarter of the
-    cost per block)."""
+    """block_hash of each full block of `token_ids` in turn, chained from `parent`; lazily (a
+    lookup stops at its first miss), the ids packed once (a quarter of the cost per block)."""
     packed = array("q", token_ids).tobytes()
     step = block_size * _ID_BYTES
     for offset in range(0, len(packed) - step + 1, step):
