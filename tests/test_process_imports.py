@@ -63,7 +63,7 @@ tokenizer = Tokenizer.from_dir(model)  # Engine.setup
 longest = max(len(t) for t in tokenizer.get_vocab())
 request = GenerateRequest("r", prompt="def main():", params=SamplingParams(max_tokens=4))
 ids = tokenizer.encode(request.prompt)
-[live] = journal_entries(b"client", request, ids, tokenizer)  # admission: the detokenizer
+[live] = journal_entries(b"client", request, ids, tokenizer, "client")  # admission: the detokenizer
 live.detokenizer.add(tokenizer.encode(" return 1", add_special_tokens=False))
 chat = ChatTemplate(model)  # the gateway's HTTPGateway.prepare
 chat_ids = chat.prompt_ids([{"role": "system", "content": "x"}, {"role": "user", "content": "y"}])
