@@ -16,15 +16,19 @@ import sys
 import textwrap
 
 import pytest
-from gateway_support import AUTH, call, shared_gateway
+from gateway_support import AUTH, SHARED_FLAGS, GatewayServer, call
 
 # shared libraries that torch, and transformers (numpy, safetensors), load
 HEAVY_LIBRARIES = ("libtorch", "libc10", "_multiarray_umath", "_safetensors_rust")
 
 
 @pytest.fixture(scope="module")
-def gateway(pytestconfig, llama_dir):
-    return shared_gateway(pytestconfig, llama_dir)
+def gateway(llama_dir):
+    """A gateway of its own: the session's shared one may have checked a structured-output
+    request, whose first check imports xgrammar (and with it torch) into the Engine."""
+    server = GatewayServer(llama_dir, *SHARED_FLAGS)
+    yield server
+    server.stop()
 
 
 def mapped_heavy_libraries(pid: int) -> set[str]:

@@ -22,6 +22,7 @@ from actorserve.actors.worker.models.parallel import global_best, local_best
 from actorserve.actors.worker.tensor_parallel import TensorParallel
 from actorserve.kernels import attention_ops
 from actorserve.messages.common import SamplingParams
+from actorserve.weights.checkpoints import corpus, train_tokenizer
 from support import hf_greedy, prompts_of_lengths, smallest_greedy_margin
 
 MAX_TOKENS = 8
@@ -179,7 +180,8 @@ def test_a_rank_loads_exactly_its_slices_of_the_checkpoint(qwen3_dir):
 def synthetic_llama(path: Path) -> Path:
     """A 1-layer Llama with q/k/v and o biases (attention_bias), 4 query and 2 KV heads, and a
     vocabulary of 1001: odd, so two ranks pad it. Random weights as weights/checkpoints.py sizes
-    them."""
+    them, and a byte-level BPE of at most 1001 tokens (the config checks that a tokenizer is
+    there)."""
     hidden, inter, heads, kv_heads, d, vocab = 64, 96, 4, 2, 16, 1001
     hf = dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab,
@@ -213,6 +215,7 @@ def synthetic_llama(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf))
     save_file(tensors, str(path / "model.safetensors"))
+    train_tokenizer(corpus(limit=200_000), vocab, path)  # at most `vocab` tokens: every id fits
     return path
 
 
