@@ -279,6 +279,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=float, default=0.05, help="the fraction of the run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads: the cores this run may take"
+    )
     p.add_argument("--checkpoint-every", type=int, default=250)
     p.add_argument(
         "--max-minutes", type=float, default=0.0, help="training's wall-clock limit; 0: none"
@@ -291,7 +294,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    torch.set_num_threads(1)  # the machine's other cores belong to others
+    torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
