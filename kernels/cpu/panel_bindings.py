@@ -61,19 +61,30 @@ def pack_panels_int8(
     return panels
 
 
+def _check(kernel, status: int) -> None:
+    """The panel kernels return non-zero only when their scratch buffer's malloc failed."""
+    if status != 0:
+        raise MemoryError(f"{kernel.__name__} could not allocate its buffer")
+
+
+def _fp32_product(kernel, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+    """Run a panel kernel of the fp32-output signature (x, M, K, x's row stride, panels, n,
+    out) into a new [M, n] fp32 tensor."""
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    status = kernel(
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), panels.data_ptr(), n, out.data_ptr()
+    )
+    _check(kernel, status)
+    return out
+
+
 def panel_linear_int8(
     lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int
 ) -> torch.Tensor:
     """x [M, K] fp32 (rows may be strided, columns contiguous), panels from pack_panels_int8 of
     an int8 weight [n, K] and its scales -> (x @ weight.T) * scale [M, n] fp32 (see
     cpu_panel_gemm_int8.c)."""
-    out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    status = lib.panel_linear_int8(
-        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), panels.data_ptr(), n, out.data_ptr()
-    )
-    if status != 0:
-        raise MemoryError("panel_linear_int8 could not allocate its buffer")
-    return out
+    return _fp32_product(lib.panel_linear_int8, x, panels, n)
 
 
 def panel_linear_bf16(
@@ -94,21 +105,14 @@ def panel_linear_bf16(
         out.data_ptr() if wide else None,
         None if wide else out.data_ptr(),
     )
-    if status != 0:
-        raise MemoryError("panel_linear_bf16 could not allocate its buffer")
+    _check(lib.panel_linear_bf16, status)
     return out
 
 
 def panel_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] fp32 (rows may be strided, columns contiguous), panels from pack_panels of a
     weight [n, K] -> x @ weight.T [M, n] (see cpu_panel_gemm.c)."""
-    out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    status = lib.panel_linear(
-        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), panels.data_ptr(), n, out.data_ptr()
-    )
-    if status != 0:
-        raise MemoryError("panel_linear could not allocate its buffer")
-    return out
+    return _fp32_product(lib.panel_linear, x, panels, n)
 
 
 def greedy_head(
