@@ -5,18 +5,15 @@ stream completes as in an undisturbed run; no rank outlives the server."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
 from actorserve.actors.runtime.config import EngineConfig
 from actorserve.actors.worker.tp_group import rank_device
-from actorserve.gateway.client import AsyncClient
 from actorserve.messages.common import SamplingParams
 from actorserve.messages.structured import StructuredKind, StructuredOutput
 from support import (
@@ -27,6 +24,7 @@ from support import (
     hf_model,
     prompts_of_lengths,
 )
+from tp_processes import group_pids, is_alive, streams_with_fault, worker_status
 
 GROUP_OF_TWO = ("--tensor-parallel-size", "2", "--torch-threads", "1")
 # 48 blocks x 16 = 768 tokens: one 500-token prompt fits, the sixteen together do not (requests
@@ -35,7 +33,6 @@ PRESSURE = ("--num-kv-blocks", "48", "--max-model-len", "768", "--max-num-batche
 SUPERVISION = ("--heartbeat-interval-s", "0.5", "--max-restarts", "10")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 STREAMED = SamplingParams(temperature=0.0, max_tokens=48)
-FOLLOWER_MODULE = "actorserve.actors.worker.tp_follower"
 
 
 def test_tensor_parallel_size_below_one_is_refused_naming_the_field():
@@ -69,79 +66,6 @@ def test_rank_r_serves_on_the_r_th_cuda_device_and_a_missing_one_is_named():
             rank_device(group, 1)
 
 
-def parent_of(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError):
-        return None
-
-
-def is_alive(pid: int) -> bool:
-    """Running (a zombie no reaper collected counts as gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def followers_of(worker_pid: int) -> list[int]:
-    """The follower ranks' processes: children of the Worker running tp_follower."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and parent_of(int(entry.name)) == worker_pid:
-            try:
-                if FOLLOWER_MODULE in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
-def worker_status(server: EngineServer):
-    return next(a for a in server.client.health().actors if a.name == "worker")
-
-
-def group_pids(server: EngineServer) -> tuple[int, list[int]]:
-    """(rank 0's pid, the followers' pids) once the Worker is ready with its follower."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        worker = worker_status(server)
-        followers = followers_of(worker.pid) if worker.state == "ready" else []
-        if len(followers) == 1:
-            return worker.pid, followers
-        time.sleep(0.1)
-    raise AssertionError("no ready Worker with one follower rank within 60 s")
-
-
-def greedy_tokens(address: str, prompts, params: SamplingParams) -> list[list[int]]:
-    return [ids for _, ids, _ in generate_concurrently(address, prompts, params)]
-
-
-def streams_with_fault(address: str, prompts, fault, after_tokens: int = 60):
-    """Stream every prompt at once; call `fault()` once `after_tokens` tokens have arrived ->
-    [(token ids, finish reason)] in prompt order."""
-
-    async def run():
-        received = 0
-        faulted = False
-        async with AsyncClient(address, timeout_s=120) as client:
-
-            async def one(prompt):
-                nonlocal received, faulted
-                ids = []
-                async for delta in client.generate(prompt, STREAMED):
-                    ids.extend(delta.token_ids)
-                    received += len(delta.token_ids)
-                    if received >= after_tokens and not faulted:
-                        faulted = True
-                        await asyncio.to_thread(fault)
-                return ids, delta.finish_reason.value
-
-            return await asyncio.gather(*[one(p) for p in prompts])
-
-    return asyncio.run(run())
-
-
 @pytest.fixture(scope="module")
 def llama_group(llama_dir):
     """One group of two ranks for the module's tests (those that kill a rank included: the
@@ -168,6 +92,10 @@ def streamed_prompts(llama_dir):
         ids = out.sequences[0, len(prompt) :].tolist()
         undisturbed.append((ids, "length" if len(ids) == STREAMED.max_tokens else "stop"))
     return prompts, undisturbed
+
+
+def greedy_tokens(address: str, prompts, params: SamplingParams) -> list[list[int]]:
+    return [ids for _, ids, _ in generate_concurrently(address, prompts, params)]
 
 
 def assert_group_equals_one_worker_and_transformers(model_dir, group: EngineServer):
@@ -223,7 +151,7 @@ def test_sigkill_of_a_rank_mid_stream_restarts_the_group_and_streams_complete_id
     worker, (follower,) = group_pids(llama_group)
     target = follower if victim == "follower" else worker
     results = streams_with_fault(
-        llama_group.address, prompts, lambda: os.kill(target, signal.SIGKILL)
+        llama_group.address, prompts, STREAMED, lambda: os.kill(target, signal.SIGKILL)
     )
     assert results == undisturbed
     assert worker_status(llama_group).restarts == restarts + 1

@@ -201,6 +201,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "cpu_fast_path off, the cores shared out among the ranks (torch_threads)"
         ),
     ] = 1
+    tp_follower_timeout_s: Annotated[
+        float,
+        Meta(
+            description="tensor parallel: a follower rank that stamps no sign of life for this "
+            "long (stopped) is killed and the group restarted; a collective of the serving "
+            "group times out at twice this"
+        ),
+    ] = 5.0
     # CUDA only
     enforce_eager: Annotated[
         bool, Meta(description="CUDA: run every step eagerly (no CUDA graphs for decode)")

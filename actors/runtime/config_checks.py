@@ -31,6 +31,7 @@ def check_ranges(config: Any) -> None:
         unset_or_positive("torch_threads"),
         ("data_parallel_size", config.data_parallel_size >= 1, ">= 1"),
         ("tensor_parallel_size", config.tensor_parallel_size >= 1, ">= 1"),
+        ("tp_follower_timeout_s", config.tp_follower_timeout_s > 0, "> 0"),
         ("gpu_memory_utilization", 0.0 < config.gpu_memory_utilization <= 1.0, "in (0, 1]"),
         ("swap_space_gb", config.swap_space_gb >= 0.0, ">= 0"),
         ("max_num_batched_tokens", config.max_num_batched_tokens >= 1, ">= 1"),

@@ -3,10 +3,11 @@ every rank of a tensor-parallel group.
 
 StepPlan: run it, if of the current epoch, and answer its StepResult; CompileGrammar: start the
 compile, and answer GrammarReady once it is done; Reset: take its epoch and empty the persistent
-batch; Stop: the end of the loop. Every rank handles the same bytes in the same order (rank 0
-broadcasts them before it handles them: tp_group.py), so the ranks' persistent batches, grammar
-matchers and samplers stay the same, they call the same collectives in the same order, and they
-sample the same tokens; only rank 0 has `Replies` and answers.
+batch; Stop: the end of the loop; no bytes at all: rank 0's idle tick (worker.py), nothing to
+do. Every rank handles the same bytes in the same order (rank 0 broadcasts them before it
+handles them: tp_group.py), so the ranks' persistent batches, grammar matchers and samplers stay
+the same, they call the same collectives in the same order, and they sample the same tokens;
+only rank 0 has `Replies` and answers.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class StepHandler:
         self.tp = tp
         self.replies = replies
         self.epoch = config.epoch  # plans of another epoch than the last Reset's are dropped
+        self.handled = 0  # messages (idle ticks included) handled: the liveness stamps' count
         self.decoder: Decoder[StepPlan | CompileGrammar | Reset | Stop] = Decoder(WorkerStepsInbox)
         # in a group, one record per step with its all-reduce time (EngineConfig.step_trace)
         in_group = tp.size > 1
@@ -62,6 +64,9 @@ class StepHandler:
 
     def handle(self, data: bytes) -> bool:
         """Handle one message's bytes; False once they were Stop."""
+        self.handled += 1
+        if not data:  # an idle tick: it only keeps the group's broadcast within its timeout
+            return True
         try:
             item = self.decoder.decode(data)
         except DecodeError as exc:
@@ -81,6 +86,10 @@ class StepHandler:
             if self.replies is not None and (item.running or item.new):
                 self.replies.step_result(result)
         return True
+
+    def count(self) -> int:
+        """The messages handled so far (read from another thread: an int is read whole)."""
+        return self.handled
 
     def _compile_grammar(self, message: CompileGrammar) -> None:
         """Start the compile on the compile thread; rank 0 answers when it is done (a follower's

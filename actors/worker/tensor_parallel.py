@@ -15,8 +15,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# A follower waits in a broadcast for the next plan for as long as the engine is idle; a dead
-# rank is found by its process ending (worker.py), not by this timeout.
+# While the group loads, a rank may wait long in a collective for a slower peer (its process
+# start, its shard's load, a kernel warm-up): a dead rank is found by its process ending
+# (tp_group.py) then, not by this timeout. Once it serves, `serve_with_timeout` shortens it.
 GROUP_TIMEOUT = timedelta(days=365)
 
 
@@ -51,6 +52,21 @@ class TensorParallel:
             dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT) if backend == "nccl" else None
         )
         return cls(rank, size, dist.group.WORLD, cpu_group)
+
+    def serve_with_timeout(self, bound_s: float) -> None:
+        """Once the group is built: its host collectives (gloo: every one on CPU, the broadcast
+        of the steps on CUDA) time out after twice `bound_s` (EngineConfig
+        tp_follower_timeout_s), where the liveness watchdog acts after `bound_s` (tp_liveness.py).
+        It catches a peer whose process runs but never reaches the collective. The ranks meet
+        in a step's collectives within moments of each other (they compute the same shapes),
+        and an idle rank 0 broadcasts a tick well within the bound (worker.py), so no healthy
+        group reaches it. NCCL's collectives keep GROUP_TIMEOUT: its watchdog would abort the
+        process, and no two-GPU run has checked that path."""
+        if self.size == 1:
+            return
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timedelta(seconds=2 * bound_s), self.cpu_group)
 
     @property
     def is_leader(self) -> bool:
@@ -89,12 +105,13 @@ class TensorParallel:
             return data or b""
         length = torch.tensor([len(data) if self.is_leader else 0], dtype=torch.int64)
         dist.broadcast(length, src=0, group=self.cpu_group)
+        if not length.item():  # rank 0's idle tick (worker.py): nothing more to send
+            return b""
         if self.is_leader:
             payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         else:
             payload = torch.empty(int(length.item()), dtype=torch.uint8)
-        if payload.numel():
-            dist.broadcast(payload, src=0, group=self.cpu_group)
+        dist.broadcast(payload, src=0, group=self.cpu_group)
         return data if self.is_leader else payload.numpy().tobytes()
 
     def close(self) -> None:

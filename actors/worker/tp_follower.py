@@ -8,7 +8,9 @@ Outbox: nothing: rank 0 alone answers the Scheduler and the supervisor (the supe
 only rank 0, which watches this process in its stead).
 Owns: its shard of the model and of the KV cache, its copy of the persistent batch and of the
 compiled grammars.
-Dies when: Stop (exit 0); rank 0 dies (PR_SET_PDEATHSIG: SIGKILL) or a collective fails; its own
+Dies when: Stop (exit 0); rank 0 dies (PR_SET_PDEATHSIG: SIGKILL) or a collective fails (rank 0
+gone, or silent past the group's collective timeout); rank 0 kills it (SIGKILL), having found
+it stopped (its liveness stamps, tp_liveness.py, older than tp_follower_timeout_s); its own
 step fails (then GROUP_BROKEN: the group restarts). SIGTERM and SIGINT are ignored: stopping is
 rank 0's call, as an actor's is its supervisor's (a signal sent to the whole process group
 reaches this process too, and the supervisor drains before it stops anything).
@@ -26,6 +28,7 @@ import msgspec
 
 from ..runtime.actor import configure_logging
 from .tp_group import GROUP_BROKEN, FollowerSpec, die_with_parent
+from .tp_liveness import LivenessBoard, Stamper
 
 
 def follower_config(spec: FollowerSpec):
@@ -52,6 +55,10 @@ def main(spec_file: str) -> None:
 
     rank = build_rank(follower_config(spec), spec.rank, spec.init_file)
     handler = StepHandler(rank.runner, rank.config, rank.tp, replies=None)
+    rank.tp.serve_with_timeout(rank.config.tp_follower_timeout_s)
+    board = LivenessBoard(spec.liveness_file, spec.size)
+    stamper = Stamper(board, spec.rank, rank.config.tp_follower_timeout_s, handler.count)
+    stamper.start()
     log.info("rank %d of %d ready", spec.rank, spec.size)
     try:
         with torch.inference_mode():
@@ -60,6 +67,8 @@ def main(spec_file: str) -> None:
     except Exception:  # the broadcast failed: rank 0 is gone (or going)
         log.exception("rank %d: the group's broadcast failed; exiting", spec.rank)
         os._exit(GROUP_BROKEN)
+    stamper.stop()
+    board.close()
     rank.runner.grammars.close()
     rank.tp.close()
     log.info("rank %d stopped", spec.rank)

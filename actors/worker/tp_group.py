@@ -11,11 +11,13 @@ keep in step), and a dead peer surfaces as an error in that collective rather th
 that never arrives.
 
 The group lives and dies as one: a follower that exits while rank 0 serves makes rank 0 exit at
-once (`FollowerGroup` watches the child processes), and the supervisor restarts the Worker and
-with it a new group, the journal resuming every request as after any Worker restart. Rank 0
-dying takes the followers with it (PR_SET_PDEATHSIG, and their next collective fails). Each
-group joins through a rendezvous file of its own in the run directory (named by rank 0's pid:
-a restarted group never meets a stale file), so no port is opened.
+once (`FollowerGroup` watches the child processes), and so does one that stops stamping its
+liveness for longer than tp_follower_timeout_s (tp_liveness.py: a stopped process exits nothing),
+after rank 0 SIGKILLs every follower; the supervisor restarts the Worker and with it a new group,
+the journal resuming every request as after any Worker restart. Rank 0 dying takes the followers
+with it (PR_SET_PDEATHSIG, and their next collective fails). Each group joins through a
+rendezvous file of its own in the run directory (named by rank 0's pid: a restarted group never
+meets a stale file), so no port is opened; its liveness file is named the same way.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 import msgspec
 
 from ..runtime.config import EngineConfig
+from .tp_liveness import FOLLOWER_STALLED, FollowerWatchdog, LivenessBoard
 
 log = logging.getLogger("worker")
 
@@ -48,6 +51,7 @@ class FollowerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rank: int
     size: int
     init_file: str  # the group's rendezvous (TensorParallel.join)
+    liveness_file: str  # the group's LivenessBoard, where the follower stamps its slot
     parent_pid: int  # rank 0's: the follower exits once it is not its parent any more
     config: EngineConfig  # rank 0's, unresolved: each rank resolves it for its own device
 
@@ -115,9 +119,11 @@ def _watch_parent(parent_pid: int) -> None:
 class FollowerGroup:
     """Rank 0's view of its followers: their processes, and the threads that wait on them."""
 
-    def __init__(self, init_file: str, processes: list[subprocess.Popen]):
+    def __init__(self, init_file: str, processes: list[subprocess.Popen], liveness: LivenessBoard):
         self.init_file = init_file
         self.processes = processes
+        self.liveness = liveness
+        self.watchdog: FollowerWatchdog | None = None
         self._stopping = threading.Event()
 
     @classmethod
@@ -127,9 +133,11 @@ class FollowerGroup:
         from now on, so that one that dies while the group loads fails the start at once."""
         run_dir = Path(config.addresses.run_dir)
         init_file = str(run_dir / f"tp-{os.getpid()}.init")
+        size = config.tensor_parallel_size
+        liveness = LivenessBoard(str(run_dir / f"tp-{os.getpid()}.live"), size, create=True)
         processes = []
-        for rank in range(1, config.tensor_parallel_size):
-            spec = FollowerSpec(rank, config.tensor_parallel_size, init_file, os.getpid(), config)
+        for rank in range(1, size):
+            spec = FollowerSpec(rank, size, init_file, liveness.path, os.getpid(), config)
             spec_file = run_dir / f"tp-{os.getpid()}-rank{rank}.json"
             spec_file.write_bytes(msgspec.json.encode(spec))
             processes.append(
@@ -139,7 +147,7 @@ class FollowerGroup:
                     stdout=sys.stderr,  # the supervisor's stdout is for its own lines
                 )
             )
-        group = cls(init_file, processes)
+        group = cls(init_file, processes, liveness)
         for rank, process in enumerate(processes, start=1):
             threading.Thread(
                 target=group._watch, args=(rank, process), daemon=True, name=f"rank{rank}-watch"
@@ -167,6 +175,31 @@ class FollowerGroup:
         )
         os._exit(GROUP_BROKEN)
 
+    def watch_liveness(self, bound_s: float, handled) -> None:
+        """From now on (the group is built: every follower stamps), a follower silent for
+        longer than `bound_s` ends this process (`condemn`). `handled`: rank 0's message
+        count, for the log."""
+        pids = [process.pid for process in self.processes]
+        self.watchdog = FollowerWatchdog(
+            self.liveness, pids, bound_s, handled, self._stopping, self.condemn
+        ).start()
+
+    def condemn(self) -> None:
+        """End the group for a restart, a follower being stalled: SIGKILL every follower (the
+        only signal a stopped process does not defer) and reap them, so that none outlives
+        this process, then exit with FOLLOWER_STALLED. Called from the watchdog's thread,
+        never returns. No teardown: the forward thread may be stuck in a collective."""
+        self._stopping.set()  # the followers' exits are this thread's doing: no GROUP_BROKEN
+        for process in self.processes:
+            process.kill()
+        for process in self.processes:
+            try:
+                process.wait(5.0)
+            except subprocess.TimeoutExpired:
+                log.error("tensor-parallel follower pid %d outlived SIGKILL", process.pid)
+        logging.shutdown()
+        os._exit(FOLLOWER_STALLED)
+
     def stopping(self) -> None:
         """From now on a follower's exit is expected (call it before the Stop goes out)."""
         self._stopping.set()
@@ -184,3 +217,6 @@ class FollowerGroup:
                 process.kill()
                 process.wait()
         Path(self.init_file).unlink(missing_ok=True)
+        if self.watchdog is not None:
+            self.watchdog.thread.join()  # it reads the board until it sees `stopping`
+        self.liveness.close(unlink=True)

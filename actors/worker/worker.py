@@ -7,13 +7,21 @@ event loop's. Plans of another epoch than the last Reset's are dropped.
 Outbox: StepResult, GrammarReady -> Scheduler; Ready (with num_kv_blocks, the smallest rank's,
 and its device type), Heartbeat -> supervisor. The followers answer nothing.
 Owns: model weights (its shard), KV cache tensors, the persistent batch (runner.py), the compiled
-grammars and their compile thread (grammar_cache.py); the follower processes (tp_follower.py).
+grammars and their compile thread (grammar_cache.py); the follower processes (tp_follower.py),
+their liveness file and the watchdog thread that reads it (tp_liveness.py).
 Dies when: Stop (the followers get it too, and are waited for), or its supervisor goes away (then
 by SIGTERM). A follower that exits makes it exit at once (GROUP_BROKEN), for a restart of the
-whole group. A failing step is answered with StepResult.error, and the Worker keeps serving
-(in a group it exits instead: step_handler.py).
+whole group; so does a collective of the serving group that times out (2 x
+tp_follower_timeout_s: a peer that runs but never arrives). A follower whose liveness stamps are
+older than tp_follower_timeout_s (stopped: it exits nothing) makes it SIGKILL every follower and
+exit (FOLLOWER_STALLED, tp_liveness.py), for the same restart. A failing step is answered with
+StepResult.error, and the Worker keeps serving (in a group it exits instead: step_handler.py).
 
-The forward runs on a thread of its own so the event loop keeps sending heartbeats meanwhile.
+The forward runs on a thread of its own so the event loop keeps sending heartbeats meanwhile
+(which is why a stalled follower needs a watchdog of its own: the heartbeats go on while the
+forward thread waits for it in a collective). In a group, an idle forward thread broadcasts an
+empty message (a tick) every quarter of tp_follower_timeout_s, so that the followers' wait for
+the next message stays within the collective timeout.
 That thread reads the plans (and Resets, in order with them) from its own socket, decodes them
 and sends each StepResult itself: when the Scheduler planned step N+1 while step N ran, the plan
 is already queued and the next forward starts at once. No plan wakes the event loop, whose
@@ -42,6 +50,7 @@ from ..runtime.addresses import WORKER_STEPS
 from ..runtime.config import EngineConfig
 from .step_handler import StepHandler
 from .tp_group import GROUP_BROKEN, FollowerGroup, join_group, rank_device
+from .tp_liveness import stamp_period_s
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -186,9 +195,19 @@ class Worker(Actor):
         results = self._connect("scheduler")
         handler = StepHandler(self.runner, self.config, self.rank.tp, LeaderReplies(self, results))
         broadcast = self.rank.tp.broadcast_bytes
+        receive = steps.recv
+        if self.group is not None:
+            bound_s = self.config.tp_follower_timeout_s
+            self.rank.tp.serve_with_timeout(bound_s)
+            self.group.watch_liveness(bound_s, handler.count)
+            tick_ms = max(1, round(stamp_period_s(bound_s) * 1000))
+
+            def receive() -> bytes:  # the next message, or an idle tick (no bytes)
+                return steps.recv() if steps.poll(tick_ms) else b""
+
         try:
             with torch.inference_mode():  # entered once, not once a step (runner.execute)
-                while handler.handle(broadcast(steps.recv())):
+                while handler.handle(broadcast(receive())):
                     pass
         except Exception:
             if self.group is None:
