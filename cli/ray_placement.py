@@ -133,7 +133,7 @@ class RayReplicas:
             name=f"actorserve-replica-{index}-{os.getpid()}-{time.monotonic_ns()}",
             num_cpus=self.config.ray_replica_cpus,
             num_gpus=self.gpus,
-            max_concurrency=4,  # wait_exit blocks while stop and pid are asked
+            max_concurrency=4,  # wait_exit blocks while stop is asked
             max_restarts=0,  # we replace a lost replica ourselves, at a new address
         )
         actor = actor_class.remote(as_flags(values), self.files)
@@ -144,8 +144,7 @@ class RayReplicas:
                 actor.start.remote(self.config.ready_timeout_s, self.host), timeout=timeout_s
             )
         except Exception as exc:
-            self.ray.kill(actor)
-            del self.actors[index]
+            self.kill(index)
             raise RuntimeError(f"replica {index} did not start on Ray: {exc}") from exc
         self.exits[index] = actor.wait_exit.remote()
         return address
@@ -153,7 +152,7 @@ class RayReplicas:
     def lost(self, timeout_s: float) -> dict[int, str]:
         """The replicas whose engine exited, or whose Ray actor died, within `timeout_s`: why,
         by index. They are forgotten here until `replace`d."""
-        refs = {ref: index for index, ref in self.exits.items()}
+        refs = {ref: index for index, ref in list(self.exits.items())}  # starts add to it
         if not refs:
             time.sleep(timeout_s)
             return {}
@@ -161,6 +160,8 @@ class RayReplicas:
         reasons = {}
         for ref in ready:
             index = refs[ref]
+            if self.exits.get(index) is not ref:  # replaced meanwhile
+                continue
             del self.exits[index]
             try:
                 code = self.ray.get(ref)
@@ -182,10 +183,6 @@ class RayReplicas:
                 self.ray.kill(actor, no_restart=True)
             except Exception as exc:  # already gone
                 log.debug("ray.kill(replica %d): %s", index, exc)
-
-    def engine_pid(self, index: int) -> int | None:
-        """The process id of replica `index`'s engine supervisor (on its node)."""
-        return self.ray.get(self.actors[index].pid.remote(), timeout=30)
 
     def stop(self) -> None:
         """Drain and stop every replica, kill their Ray actors, shut a cluster we started."""

@@ -113,10 +113,6 @@ class ReplicaHost:
         self._exited.set()
         self._serving.set()  # a start still waiting learns of the exit at once
 
-    def pid(self) -> int | None:
-        """The engine's supervisor (`serve --role engine`) process id."""
-        return self.process.pid if self.process is not None else None
-
     def wait_exit(self) -> int | None:
         """When the engine's process has exited: its exit code (Popen's: -N for signal N)."""
         self._exited.wait()

@@ -13,6 +13,9 @@ independent engine, and the gateway's only traffic to it is requests and their t
 on another host than its Scheduler would put every step's round trip (the StepPlan out, the
 sampled tokens back) on the network, on the critical path of every token: no role splits a stack.
 
+`--placement ray` (cli/ray_serve.py) is role `all` with each engine stack placed by a Ray
+cluster, in a Ray actor of its own; it reuses this module's gateway tree and settings.
+
 The gateway is a supervised process of its own (gateway/process.py), serving on a socket bound
 here, so a restarted gateway serves on the same port. With one engine stack its supervisor is
 that stack's; with `--data-parallel-size` N > 1, and under `--role gateway`, it has a supervisor
