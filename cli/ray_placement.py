@@ -114,7 +114,8 @@ class RayReplicas:
         try:
             if config.ray_address is None:
                 needed = config.data_parallel_size * config.ray_replica_cpus
-                ray.init(num_cpus=max(os.cpu_count() or 1, needed), **options)
+                # "local": a new cluster, whatever RAY_ADDRESS or a running one says
+                ray.init("local", num_cpus=max(os.cpu_count() or 1, needed), **options)
                 self.host = "127.0.0.1"  # this machine alone: the engines listen on loopback
             else:
                 ray.init(address=config.ray_address, **options)
