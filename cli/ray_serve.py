@@ -91,8 +91,8 @@ async def serve_on_ray(
         return 1
     print(f"actorserve: serving {config.model} at {results[0]}", flush=True)
     print(f"actorserve: {url}", flush=True)
-    for i, address in enumerate(results[1:], 1):
-        print(f"actorserve: replica {i} at {address}", flush=True)
+    for i, other in enumerate(results[1:], 1):
+        print(f"actorserve: replica {i} at {other}", flush=True)
     keeper = ReplicaKeeper(tree, replicas)
     code = await keeper.serve_until(stopping)
     if code is None:  # SIGTERM: the gateway first, so that no new request reaches a replica
