@@ -98,6 +98,21 @@ def given_values(
     }
 
 
+def as_flags(values: dict[str, Any]) -> list[str]:
+    """The command line that gives these field values (`given_values`' inverse): `--block-size
+    16`, on/off as true/false, lists comma-joined."""
+    argv = []
+    for field, value in values.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, list):
+            text = ",".join(str(item) for item in value)
+        else:
+            text = str(value)
+        argv += ["--" + field.replace("_", "-"), text]
+    return argv
+
+
 def _parser(struct: type, name: str, kind: mi.Type) -> tuple[Any, tuple | None]:
     if isinstance(kind, mi.UnionType):  # X | None: an X (unset stays None)
         others = [t for t in kind.types if not isinstance(t, mi.NoneType)]

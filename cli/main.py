@@ -55,19 +55,25 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from .serve import serve  # the gateway's imports (FastAPI) only where it serves
-
     try:
         config = engine_config(args)
     except ValueError as exc:
         print(f"actorserve serve: {exc}", file=sys.stderr)
         return 2
+    if config.placement == "ray":  # ray is imported only where it places
+        from .ray_serve import serve_on_ray
+
+        serving = serve_on_ray(config, args.address, args, args.role)
+    else:
+        from .serve import serve  # the gateway's imports (FastAPI) only where it serves
+
+        serving = serve(config, args.address, args, args.role)
     try:
         import uvloop
 
-        return uvloop.run(serve(config, args.address, args, args.role))
+        return uvloop.run(serving)
     except ImportError:
-        return asyncio.run(serve(config, args.address, args, args.role))
+        return asyncio.run(serving)
 
 
 # -- generate ---------------------------------------------------------------------------------

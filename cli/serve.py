@@ -13,6 +13,9 @@ independent engine, and the gateway's only traffic to it is requests and their t
 on another host than its Scheduler would put every step's round trip (the StepPlan out, the
 sampled tokens back) on the network, on the critical path of every token: no role splits a stack.
 
+`--placement ray` (cli/ray_serve.py) is role `all` with each engine stack placed by a Ray
+cluster, in a Ray actor of its own; it reuses this module's gateway tree and settings.
+
 The gateway is a supervised process of its own (gateway/process.py), serving on a socket bound
 here, so a restarted gateway serves on the same port. With one engine stack its supervisor is
 that stack's; with `--data-parallel-size` N > 1, and under `--role gateway`, it has a supervisor
@@ -117,6 +120,13 @@ def check_role(
 ) -> None:
     """ValueError, naming the flag, when the flags ask what `role` does not run."""
     replicas = http is not None and bool(http.replicas)
+    if config.placement == "ray" and (role != "all" or address is not None or replicas):
+        raise ValueError(
+            "--placement ray places the engine stacks and serves HTTP across them: with the "
+            "default --role all and no --address or --replicas (Ray gives each its address)"
+        )
+    if config.placement == "ray" and http is None:
+        raise ValueError("--placement ray is `actorserve serve`'s")
     if role == "engine" and config.data_parallel_size > 1:
         raise ValueError(
             "--role engine runs one engine stack: start one per replica, each with its own "
@@ -244,12 +254,24 @@ def supervise_gateway(supervisor: Supervisor, http: argparse.Namespace, served: 
         port=port,
         engine_keys=served.engine_keys,
     )
-    path = os.path.join(supervisor.config.addresses.run_dir, "gateway.json")
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-        f.write(msgspec.json.encode(spec))
+    path = write_gateway_spec(supervisor, spec)
     supervisor.supervise(Child(NAME, "actorserve.gateway.process", [path], (sock.fileno(),)))
     host = f"[{http.host}]" if ":" in http.host else http.host
     return f"http://{host}:{port}", sock
+
+
+def write_gateway_spec(supervisor: Supervisor, spec: GatewaySpec) -> str:
+    """Write the spec a gateway (re)starts from, 0600 in the private run directory; its path."""
+    path = os.path.join(supervisor.config.addresses.run_dir, "gateway.json")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        f.write(msgspec.json.encode(spec))
+    return path
+
+
+def read_gateway_spec(supervisor: Supervisor) -> GatewaySpec:
+    path = os.path.join(supervisor.config.addresses.run_dir, "gateway.json")
+    with open(path, "rb") as f:
+        return msgspec.json.decode(f.read(), type=GatewaySpec)
 
 
 def gateway_settings(args: argparse.Namespace, config: EngineConfig) -> GatewaySettings:

@@ -101,6 +101,14 @@ class AsyncClient:
     def _refused(self, reason: str) -> None:
         """The engine refused (or could not complete) a handshake: every stream and health
         query fails now, naming the address and why, instead of waiting for a timeout."""
+        self.fail_all(reason)
+
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def fail_all(self, reason: str) -> None:
+        """Fail every open stream and health query now with EngineUnavailable("the engine at
+        ADDRESS <reason>"): the engine is known to be gone (refused us, or moved away)."""
         error = EngineUnavailable(f"the engine at {self.address} {reason}")
         for stream in self._streams.values():
             stream.fail(error)

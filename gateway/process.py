@@ -1,7 +1,9 @@
 """The HTTP/WebSocket gateway as a process of its own, supervised like an actor (it is one).
 
 Inbox (its mailbox, from the supervisor): Drain (answer 503 to new requests, then say Drained),
-Stop (let the responses in flight finish, up to `grace_s`, then exit 0).
+Stop (let the responses in flight finish, up to `grace_s`, then exit 0); from the serving
+process, ReplicaLost and ReplicaMoved (a replica's placement lost it, then restarted it at
+another address).
 Outbox: Ready once it serves, Heartbeat, Drained -> supervisor.
 Owns: the HTTP server on a listening socket it inherits (the serving process keeps it open, so a
 restarted gateway serves on the same port), its SDK clients to the Engine (one per data-parallel
@@ -27,7 +29,7 @@ import msgspec
 from ..actors.runtime.actor import Actor, run_actor
 from ..actors.runtime.config import EngineConfig
 from ..messages.codec import GatewayInbox
-from ..messages.control import Drain, Drained
+from ..messages.control import Drain, Drained, ReplicaLost, ReplicaMoved
 from .curve_keys import ClientKeys
 from .server import HTTPGateway
 from .service import GatewaySettings
@@ -74,6 +76,22 @@ class Gateway(Actor):
         self.log.info("draining: new requests get 503")
         self.http.refuse_new()
         self.send("supervisor", Drained(NAME, os.getpid()))
+
+    def on_replica_lost(self, message: ReplicaLost) -> None:
+        if self._replica_known(message.index):
+            self.log.warning("replica %d is lost: %s", message.index, message.reason)
+            self.http.lose_replica(message.index, message.reason)
+
+    def on_replica_moved(self, message: ReplicaMoved) -> None:
+        if self._replica_known(message.index):
+            self.log.warning("replica %d now serves at %s", message.index, message.address)
+            self.http.move_replica(message.index, message.address)
+
+    def _replica_known(self, index: int) -> bool:
+        count = len(self.spec.settings.replicas)
+        if not 0 <= index < count:
+            self.report_error(f"no replica {index}: the gateway routes across {count}")
+        return 0 <= index < count
 
     async def teardown(self) -> None:
         await self.http.stop(self.spec.grace_s if self.exit_code == 0 else 0)

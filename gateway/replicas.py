@@ -164,6 +164,8 @@ class ReplicaSet:
         self._last_turn = -1  # round robin: the replica that took the last request
         self._stats_poll: asyncio.Task | None = None
         self._stats_polled = -float("inf")
+        self._retired: list[AsyncClient] = []  # the clients of moved replicas, until closed
+        self._closing: set[asyncio.Task] = set()
 
     def choose(self, key: bytes | None) -> Replica | None:
         usable = [r.up for r in self.replicas]
@@ -280,6 +282,37 @@ class ReplicaSet:
             task = asyncio.get_running_loop().create_task(self._recheck(replica))
             self._rechecks[replica.index] = task
 
+    def lose(self, index: int, reason: str) -> None:
+        """Replica `index` is gone (its placement says so): its open streams fail over now, and
+        it takes no new request until it answers a health check (after a `move`, at its new
+        address)."""
+        replica = self.replicas[index]
+        replica.client.fail_all(f"is lost: {reason}")
+        self.mark_down(replica)
+
+    def move(self, index: int, client: AsyncClient) -> None:
+        """Replica `index` now serves through `client` (its placement started a replacement at
+        another address): the streams still open on the old one fail over at once, and the
+        replacement takes new requests once it answers a health check. The old client closes
+        once its streams have let go of it."""
+        replica = self.replicas[index]
+        old = replica.client
+        replica.client = client
+        replica.stats, replica.stats_at = None, -float("inf")
+        old.fail_all(f"was replaced by replica {index} at {client.address}")
+        self.mark_down(replica)
+        self._retired.append(old)
+        task = asyncio.get_running_loop().create_task(self._close_when_idle(old))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_when_idle(self, client: AsyncClient, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while client.open_streams() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        self._retired.remove(client)
+        await client.close()
+
     async def _recheck(self, replica: Replica) -> None:
         while not replica.up:
             await asyncio.sleep(self.recheck_interval_s)
@@ -317,12 +350,12 @@ class ReplicaSet:
         )
 
     async def close(self) -> None:
-        for task in (*self._rechecks.values(), self._stats_poll):
+        for task in (*self._rechecks.values(), self._stats_poll, *self._closing):
             if task is None:
                 continue
             task.cancel()
-        for replica in self.replicas:
-            await replica.client.close()
+        for client in (*(r.client for r in self.replicas), *self._retired):
+            await client.close()
 
 
 def sum_stats(stats: list[EngineStats]) -> EngineStats:

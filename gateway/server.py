@@ -218,14 +218,8 @@ class HTTPGateway:
         settings = self.settings
         addresses = settings.replicas or [self.engine_address]
         keys = self.engine_keys or [None] * len(addresses)
-        clients = [
-            AsyncClient(
-                address,
-                liveness_timeout_s=settings.engine_liveness_timeout_s,
-                **(key.options() if key is not None else {}),
-            )
-            for address, key in zip(addresses, keys, strict=True)
-        ]
+        self.engine_keys = keys
+        clients = [self._engine_client(address, i) for i, address in enumerate(addresses)]
         self.client = ReplicaSet(
             clients,
             settings.block_size,
@@ -257,6 +251,23 @@ class HTTPGateway:
             raise OSError("the HTTP server stopped during start-up")
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+    def _engine_client(self, address: str, index: int) -> AsyncClient:
+        """An SDK client of replica `index` at `address`, with that replica's keys."""
+        key = self.engine_keys[index]
+        return AsyncClient(
+            address,
+            liveness_timeout_s=self.settings.engine_liveness_timeout_s,
+            **(key.options() if key is not None else {}),
+        )
+
+    def lose_replica(self, index: int, reason: str) -> None:
+        """Replica `index` is gone (ReplicaSet.lose)."""
+        self.client.lose(index, reason)
+
+    def move_replica(self, index: int, address: str) -> None:
+        """Replica `index` serves at `address` from now on (ReplicaSet.move)."""
+        self.client.move(index, self._engine_client(address, index))
 
     def refuse_new(self) -> None:
         """From now on, answer 503 to new requests (those in flight go on)."""

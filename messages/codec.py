@@ -8,7 +8,16 @@ import msgspec
 
 from .blocks import AllocateStep, Allocation, FreeBlocks
 from .client import ClientToEngine, EngineToClient
-from .control import Drain, Recover, Reset, Roster, Stop, ToSupervisor
+from .control import (
+    Drain,
+    Recover,
+    ReplicaLost,
+    ReplicaMoved,
+    Reset,
+    Roster,
+    Stop,
+    ToSupervisor,
+)
 from .step import AbortRequests, AddRequest, StatsQuery, StatsReply, StepPlan, StepResult, TokensOut
 from .structured import CompileGrammar, GrammarReady
 
@@ -20,7 +29,8 @@ SchedulerInbox = (
 )
 BlockManagerInbox = AllocateStep | FreeBlocks | StatsQuery | Reset | Stop
 WorkerInbox = Stop
-GatewayInbox = Drain | Stop  # the HTTP gateway's process (a supervised child, not an actor)
+# the HTTP gateway's process (a supervised child, not an actor)
+GatewayInbox = Drain | ReplicaLost | ReplicaMoved | Stop
 # read by the Worker's forward thread (WORKER_STEPS)
 WorkerStepsInbox = StepPlan | CompileGrammar | Reset | Stop
 SupervisorInbox = ToSupervisor

@@ -111,6 +111,25 @@ class Drained(msgspec.Struct, tag=True, array_like=True):
     pid: int
 
 
+class ReplicaLost(msgspec.Struct, tag=True, array_like=True):
+    """Serving process -> gateway: data-parallel replica `index` is gone (`reason`: its
+    placement says why). Its open streams go on on another replica at once, as resumptions,
+    rather than after the engine liveness timeout; it takes no new requests until moved."""
+
+    index: int
+    reason: str
+
+
+class ReplicaMoved(msgspec.Struct, tag=True, array_like=True):
+    """Serving process -> gateway: data-parallel replica `index` now serves at `address` (its
+    placement, cli/ray_placement.py, started a replacement elsewhere). Its streams still open on
+    the old address go on on another replica as resumptions; the replacement takes new requests
+    once it answers a health check. The CurveZMQ keys stay the replica's."""
+
+    index: int
+    address: str
+
+
 class Roster(msgspec.Struct, tag=True, array_like=True):
     """The supervisor's view of its actors, pushed to the Engine for health replies: every
     heartbeat interval, and at once when one dies, is replaced or is Ready."""

@@ -12,7 +12,7 @@ import pytest
 from actorserve.actors.runtime.config import EngineConfig
 from actorserve.actors.runtime.model_config import ModelFacts
 from actorserve.cli import main as cli
-from actorserve.cli.flags import NOT_A_FLAG, flag_specs
+from actorserve.cli.flags import NOT_A_FLAG, as_flags, flag_specs, given_values
 from actorserve.cli.serve import gateway_settings
 from actorserve.gateway.service import GatewaySettings
 
@@ -172,3 +172,15 @@ def test_a_value_out_of_range_is_refused_naming_the_field(capfd):
     assert "block_size must be one of 8, 16, 32, 64, got 7" in capfd.readouterr().err
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
         EngineConfig(model="/ckpt", max_num_seqs=8, max_num_batched_tokens=4).validate()
+
+
+def test_as_flags_gives_back_the_command_line_of_the_values_given():
+    """What a placement hands each replica's `serve --role engine` (cli/ray_placement.py): the
+    values the user gave, as flags that parse to the same values."""
+    flags = ["--block-size", "32", "--enable-prefix-caching", "false", "--kv-cache-memory-gb"]
+    given = given_values(serve_args(*flags, "0.5", "--seed", "7"), EngineConfig)
+    again = given_values(cli.build_parser().parse_args(["serve", *as_flags(given)]), EngineConfig)
+    assert again == given == {
+        "model": "/ckpt", "block_size": 32, "kv_cache_memory_gb": 0.5,
+        "enable_prefix_caching": False, "seed": 7,
+    }  # fmt: skip

@@ -51,6 +51,16 @@ def test_the_engine_and_gateway_processes_load_neither_torch_nor_transformers(ga
     assert mapped_heavy_libraries(pids["gateway"]) == set()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/maps")
+def test_serve_without_placement_ray_loads_no_ray(gateway):
+    """Ray is the `--placement ray` extra's: a server that does not place on Ray never loads it
+    (its core library, _raylet, is what `import ray` maps)."""
+    pids = [gateway.proc.pid, *(actor.pid for actor in gateway.client.health().actors)]
+    for pid in pids:
+        with open(f"/proc/{pid}/maps") as f:
+            assert not any("_raylet" in line for line in f), pid
+
+
 ENGINE_AND_GATEWAY_PATHS = """
 import json, sys
 from actorserve.actors.engine.engine import Engine  # noqa: F401  the Engine's module
@@ -86,6 +96,27 @@ def test_what_the_engine_and_gateway_run_imports_neither_torch_nor_transformers(
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {"torch": False, "transformers": False, "numpy": False}
+
+
+SERVE_PATHS = """
+import sys
+from actorserve.cli.main import build_parser
+from actorserve.cli.serve import plan
+
+args = build_parser().parse_args(["serve", "--model", sys.argv[1], "--placement", "local"])
+print("ray" in sys.modules)
+"""
+
+
+def test_the_serve_command_without_placement_ray_imports_no_ray(llama_dir):
+    out = subprocess.run(
+        [sys.executable, "-c", SERVE_PATHS, str(llama_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 WORKER_LOAD_PATH = """

@@ -93,6 +93,9 @@ def test_key_flags_without_what_they_key_are_refused(keys):
         (["--role", "gateway", "--replicas", B, "--address", B], "starts no engine"),
         (["--role", "engine", "--data-parallel-size", "2"], "start one per replica"),
         (["--role", "engine", "--replicas", B], "--role engine serves no HTTP"),
+        (["--placement", "ray", "--role", "engine"], "--placement ray places the engine"),
+        (["--placement", "ray", "--address", B], "Ray gives each its address"),
+        (["--placement", "ray", "--replicas", B], "no --address or --replicas"),
     ],
 )
 def test_flags_a_role_does_not_run_are_refused_naming_them(flags, message):

@@ -24,6 +24,7 @@ from .config_checks import (
     Dtype,
     GreedyHeadScreen,
     KvCacheDtype,
+    Placement,
     PreemptionMode,
     Quantization,
     VictimPolicy,
@@ -193,6 +194,28 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = None
     data_parallel_size: Annotated[
         int, Meta(description="`serve`: engine stacks, one gateway routing across them")
+    ] = 1
+    placement: Annotated[
+        Placement,
+        Meta(
+            description="`serve`: where the data_parallel_size engine stacks run: local (child "
+            "processes of this server) or ray (one Ray actor each, on the cluster at "
+            "ray_address; needs the `actorserve[ray]` extra)"
+        ),
+    ] = "local"
+    ray_address: Annotated[
+        str | None,
+        Meta(
+            description="placement ray: the Ray cluster to join (ray.init's address, e.g. "
+            "ray://HEAD:10001 or auto); unset: start a local one, its engines on 127.0.0.1"
+        ),
+    ] = None
+    ray_replica_cpus: Annotated[
+        int,
+        Meta(
+            description="placement ray: CPUs Ray reserves for each replica (its Worker's torch "
+            "threads when torch_threads is unset)"
+        ),
     ] = 1
     tensor_parallel_size: Annotated[
         int,

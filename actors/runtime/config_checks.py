@@ -13,6 +13,7 @@ GreedyHeadScreen = Literal["auto", "int8", "bf16", "off"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KvCacheDtype = Literal["auto", "bfloat16", "float32"]
 Quantization = Literal["none", "int8"]
+Placement = Literal["local", "ray"]
 
 
 def check_ranges(config: Any) -> None:
@@ -32,6 +33,8 @@ def check_ranges(config: Any) -> None:
         ("data_parallel_size", config.data_parallel_size >= 1, ">= 1"),
         ("tensor_parallel_size", config.tensor_parallel_size >= 1, ">= 1"),
         ("tp_follower_timeout_s", config.tp_follower_timeout_s > 0, "> 0"),
+        one_of("placement", Placement),
+        ("ray_replica_cpus", config.ray_replica_cpus >= 1, ">= 1"),
         ("gpu_memory_utilization", 0.0 < config.gpu_memory_utilization <= 1.0, "in (0, 1]"),
         ("swap_space_gb", config.swap_space_gb >= 0.0, ">= 0"),
         ("max_num_batched_tokens", config.max_num_batched_tokens >= 1, ">= 1"),

@@ -287,6 +287,11 @@ class Supervisor:
         now = time.monotonic()
         return [a.entry().status(now) for a in self.actors.values()]
 
+    def tell(self, name: str, message) -> None:
+        """Send `message` to the mailbox of actor or child `name` (the serving process tells its
+        gateway where a replica moved: cli/ray_serve.py)."""
+        self._send(name, message)
+
     def _send(self, name: str, message) -> None:
         socket = self._outboxes.get(name)
         if socket is None:
