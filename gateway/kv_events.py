@@ -5,7 +5,8 @@ One SUB socket per replica, connected to actors/runtime/addresses.py `kv_events_
 client address, a CURVE client with the keys the gateway uses for that replica's client socket.
 Connecting subscribes, and the BlockManager answers each subscription with a snapshot. When the
 index falls out of step (a seq gap, bytes that do not decode) or no snapshot comes while it is
-out of step, the socket is closed and a new one subscribes again: the resync is that snapshot
+out of step, or the connection drops (the BlockManager died: its cache is gone), the socket is
+closed and a new one subscribes again: the resync is that snapshot
 (at most one re-subscription per RESYNC_GAP_S, the wait for a snapshot doubling up to
 MAX_SNAPSHOT_WAIT_S against a replica that publishes nothing). ZMQ reconnects by itself to a
 replica that restarted (same address), and that reconnection's subscription brings a snapshot.
@@ -90,24 +91,42 @@ class KvEventFeed:
 
     async def _read(self, i: int, socket: zmq.asyncio.Socket, wait_s: float) -> bool:
         """Until the index falls out of step (True: it was in step since this subscription) or
-        no message comes within `wait_s` while it is out of step (False)."""
+        no message comes within `wait_s` while it is out of step (False). The publisher going
+        away (its BlockManager died) is falling out of step: what it held is gone."""
         index = self.indexes[i]
         was_in_step = False
-        while True:
-            if not index.in_step and not await socket.poll(wait_s * 1000):
-                return was_in_step
-            data = await socket.recv()
-            try:
-                message = self._decoder.decode(data)
-            except DecodeError:
-                self.undecodable[i] += 1
-                if index.in_step:
-                    index.lost()
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(await poller.poll(None if index.in_step else wait_s * 1000))
+                if not ready:
+                    return was_in_step
+                if monitor in ready:  # ZMQ does not reconnect after a message over the size
+                    await monitor.recv_multipart()
+                    if index.in_step:
+                        index.lost()
+                        return True
+                    return was_in_step
+                if socket not in ready:
+                    continue
+                data = await socket.recv()
+                try:
+                    message = self._decoder.decode(data)
+                except DecodeError:
+                    self.undecodable[i] += 1
+                    if index.in_step:
+                        index.lost()
+                        return True
+                    continue
+                if index.apply(message):
                     return True
-                continue
-            if index.apply(message):
-                return True
-            was_in_step = was_in_step or index.in_step
+                was_in_step = was_in_step or index.in_step
+        finally:
+            socket.disable_monitor()
+            monitor.close(linger=0)
 
     async def close(self) -> None:
         for task in self._tasks:
