@@ -36,7 +36,7 @@ from ..runtime.curve import secure_router
 
 log = logging.getLogger("block_manager.kv_events")
 SEND_HWM = 10_000  # batches queued for a slow subscriber; past it ZMQ drops, and it resyncs
-SUBSCRIPTION_BYTES = 256  # a subscription frame is one byte and a topic; ours is empty
+SUBSCRIPTION_BYTES = 4096  # a subscription is a byte and a topic (ours empty); CURVE handshakes too
 SNAPSHOT_GAP_S = 0.05  # subscriptions arriving this close together get one snapshot
 
 
