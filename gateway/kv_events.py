@@ -4,12 +4,11 @@ replica's ReplicaIndex (kv_index.py).
 One SUB socket per replica, connected to actors/runtime/addresses.py `kv_events_address` of its
 client address, a CURVE client with the keys the gateway uses for that replica's client socket.
 Connecting subscribes, and the BlockManager answers each subscription with a snapshot. When the
-index falls out of step (a seq gap, bytes that do not decode) or no snapshot comes while it is
-out of step, or the connection drops (the BlockManager died: its cache is gone), the socket is
-closed and a new one subscribes again: the resync is that snapshot
-(at most one re-subscription per RESYNC_GAP_S, the wait for a snapshot doubling up to
-MAX_SNAPSHOT_WAIT_S against a replica that publishes nothing). ZMQ reconnects by itself to a
-replica that restarted (same address), and that reconnection's subscription brings a snapshot.
+index falls out of step (a seq gap, bytes that do not decode, the connection dropping: the
+BlockManager died, and its cache with it), or no snapshot comes while it is out of step, the
+socket is closed and a new one subscribes again: the resync is the snapshot that brings (at
+most one re-subscription per RESYNC_GAP_S; the wait for a snapshot doubles up to
+MAX_SNAPSHOT_WAIT_S against a replica that publishes nothing).
 
 No bytes end a reader: a message over `max_message_bytes` is dropped by ZMQ (with its
 connection), any other that does not decode counts in `undecodable` and is a lost batch.

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import msgspec
@@ -82,8 +83,6 @@ def gateway(llama_dir):
 
 
 def metrics(gateway) -> str:
-    import urllib.request
-
     with urllib.request.urlopen(gateway.url + "/metrics", timeout=30) as reply:
         return reply.read().decode()
 
