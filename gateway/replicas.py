@@ -190,10 +190,12 @@ class ReplicaSet:
         kv_use = [r.kv_use(max_age) for r in self.replicas]
         index = choose_replica(key, loads, usable, self.load_margin, kv_use, self.kv_high)
         if self.kv is not None and hashes is not None and self.kv.ready(usable):
-            prefill = [max(r.prefill_here, s.prefill_tokens_queued if s else 0)
-                       for r, s in zip(self.replicas, stats, strict=True)]  # fmt: skip
-            decodes = [max(r.in_flight - r.awaiting_first, s.num_running if s else 0)
-                       for r, s in zip(self.replicas, stats, strict=True)]  # fmt: skip
+            prefill, decodes = [], []
+            for replica, replica_stats in zip(self.replicas, stats, strict=True):
+                theirs = replica_stats or EngineStats()
+                prefill.append(max(replica.prefill_here, theirs.prefill_tokens_queued))
+                decoding = replica.in_flight - replica.awaiting_first
+                decodes.append(max(decoding, theirs.num_running))
             index = self.kv.choose(hashes, usable, prefill, decodes, index, kv_use, self.kv_high)
         return None if index is None else self.replicas[index]
 
@@ -269,7 +271,8 @@ class ReplicaSet:
             try:
                 async for delta in stream:
                     if prefill is not None:
-                        prefill = self._first_token(current, prefill)
+                        self._first_token(current, prefill)
+                        prefill = None
                     received.setdefault(delta.index, []).extend(delta.token_ids)
                     if delta.finished:
                         done.add(delta.index)
@@ -287,7 +290,7 @@ class ReplicaSet:
                     ResumedSample(i, list(received.get(i, []))) for i in range(n) if i not in done
                 ]
             finally:
-                if prefill is not None:
+                if prefill is not None:  # it ended before its first token
                     self._first_token(current, prefill)
                 current.in_flight -= 1
                 if request_id is not None and self.serving.get(request_id) is current:
@@ -308,6 +311,7 @@ class ReplicaSet:
 
     @staticmethod
     def _first_token(replica: Replica, prefill: int) -> None:
+        """Undo `_routed`'s count: the request has its first token (or ended)."""
         replica.awaiting_first -= 1
         replica.prefill_here -= prefill
 

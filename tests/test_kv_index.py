@@ -4,14 +4,18 @@ weighs cached prefix blocks against load (gateway/kv_index.py, gateway/kv_routin
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 from actorserve.actors.block_manager.block_pool import BlockPool
 from actorserve.actors.block_manager.kv_events import KvEventLog
 from actorserve.gateway.kv_index import ReplicaIndex
 from actorserve.gateway.kv_routing import KvRouter, choose_by_cache, prompt_block_hashes
+from actorserve.gateway.replicas import ReplicaSet
 from actorserve.messages.blocks import BlockNeed
+from actorserve.messages.client import Delta
 from actorserve.messages.codec import Decoder, encode
+from actorserve.messages.common import FinishReason
 from actorserve.messages.kv_events import (
     AllCleared,
     BlocksRemoved,
@@ -167,3 +171,58 @@ def test_a_routed_prompt_counts_as_cached_there_until_its_blocks_are_removed():
     assert router.choose(hashes, [True, True], [0, 0], [0, 0], affine=0) == 1
     indexes[1].apply(KvEventBatch(0, 1, 2.0, [BlocksRemoved(hashes[:1])]))
     assert indexes[1].cached_prefix_blocks(hashes) == 0
+
+
+class SlowClient:
+    """Streams two tokens, the first once `release` is set."""
+
+    def __init__(self):
+        self.release = asyncio.Event()
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, prompt, params, request_id, priority, resume=None, tenant=None):
+        self.prompts.append(prompt)
+        await self.release.wait()
+        yield Delta(request_id, token_ids=[1])
+        yield Delta(request_id, token_ids=[2], finish_reason=FinishReason.LENGTH)
+
+    async def close(self):
+        pass
+
+
+def test_a_replica_set_routes_on_the_indexes_and_counts_prefill_until_the_first_token():
+    """Replica 1 holds the prompt's 4 blocks; while a request there waits for its first token,
+    its uncached prompt tokens count as its queued prefill, and the next one sharing only the
+    prefix is weighed against that."""
+    prompt = list(range(4 * BS + 1))
+    indexes = [ReplicaIndex(100, BS), ReplicaIndex(100, BS)]
+    indexes[0].apply(KvSnapshot(0, 0, 1.0, BS, []))
+    indexes[1].apply(KvSnapshot(0, 0, 1.0, BS, prompt_block_hashes(prompt, BS, None, 64)))
+    router = KvRouter(indexes, BS, 64, prefill_weight=1.0, decode_weight=0.0, assume_s=0.0)
+    clients = [SlowClient(), SlowClient()]
+
+    async def run() -> list[int]:
+        replicas = ReplicaSet(clients, BS, 1, 4, 60.0, policy="kv_events", kv=router)
+        long_tail = prompt + list(range(1000, 1000 + 10 * BS))  # 10 blocks not cached anywhere
+        first = asyncio.ensure_future(drain(replicas.generate(long_tail)))
+        await asyncio.sleep(0.05)
+        held = (replicas.replicas[1].awaiting_first, replicas.replicas[1].prefill_here)
+        second = asyncio.ensure_future(drain(replicas.generate(prompt)))
+        await asyncio.sleep(0.05)
+        for client in clients:
+            client.release.set()
+        await asyncio.gather(first, second)
+        after = [(r.awaiting_first, r.prefill_here, r.in_flight) for r in replicas.replicas]
+        return [held, after]
+
+    held, after = asyncio.run(run())
+    assert len(clients[1].prompts[0]) == 14 * BS + 1  # the long one went to the cache
+    assert held == (1, 10 * BS + 1)  # its prompt less the 4 cached blocks
+    # 4 cached blocks there do not outweigh 10 queued blocks of prefill: the other replica
+    assert clients[0].prompts == [prompt]
+    assert after == [(0, 0, 0), (0, 0, 0)]
+
+
+async def drain(stream) -> None:
+    async for _ in stream:
+        pass
