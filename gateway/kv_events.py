@@ -34,7 +34,7 @@ log = logging.getLogger("gateway.kv_events")
 RESYNC_GAP_S = 1.0
 FIRST_SNAPSHOT_WAIT_S = 2.0
 MAX_SNAPSHOT_WAIT_S = 30.0
-RECEIVE_HWM = 100_000  # batches queued here before ZMQ drops (a gap, then a resync)
+RECEIVE_HWM = 1000  # batches queued here before ZMQ drops (a gap, then a resync)
 
 
 class KvEventFeed:

@@ -162,9 +162,9 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         int,
         Meta(
             description="kv_events: largest KV event message read (a snapshot of a cache holds "
-            "about 20 bytes a block); a larger one is dropped"
+            "about 20 bytes a block); a larger one is dropped, and the index resyncs"
         ),
-    ] = 64 << 20
+    ] = 16 << 20
     route_stats_interval_s: Annotated[
         float,
         Meta(
