@@ -3,12 +3,16 @@
 Engine side, from `AsyncClient.health()`: requests running and waiting, KV blocks, preemptions,
 prompt and generation tokens. Gateway side, observed per request: time to first token, time per
 output token, end-to-end latency, finished requests by reason; and read at each scrape: its
-requests in flight and open connections. Each app has its own registry.
+requests in flight and open connections. With route_policy kv_events, per replica: its KV
+event index's lag (now minus the publisher's clock on the newest message), blocks, whether it is
+in step, and its resyncs. Each app has its own registry.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -145,6 +149,64 @@ class _ReplicaCollector(Collector):
         yield from (routed, in_flight, up)
 
 
+class KvIndexReading(NamedTuple):
+    replica: int
+    blocks: int
+    usable: bool
+    newest_ts: float | None  # wall clock (time.time()) of the newest event; None: none yet
+    resyncs: int
+
+
+class _KvIndexCollector(Collector):
+    """Per replica, its KV event index (gateway/kv_index.py), read at each scrape; and the
+    requests routed on the indexes, or by prefix affinity while one was not in step."""
+
+    def __init__(self, model: str, read: Callable[[], Iterable[KvIndexReading]], routed):
+        self.model = model
+        self.read = read
+        self.routed = routed  # -> (routed on the indexes, fallbacks)
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "replica"]
+        lag = GaugeMetricFamily(
+            PREFIX + "replica_kv_index_lag_seconds",
+            "Now minus the timestamp of the newest KV event from the replica (grows while it "
+            "publishes nothing: an idle cache).",
+            labels=labels,
+        )
+        blocks = GaugeMetricFamily(
+            PREFIX + "replica_kv_index_blocks", "Block hashes the index holds.", labels=labels
+        )
+        usable = GaugeMetricFamily(
+            PREFIX + "replica_kv_index_usable",
+            "1 while the index is in step with the replica's events and whole.",
+            labels=labels,
+        )
+        resyncs = CounterMetricFamily(
+            PREFIX + "replica_kv_index_resyncs",
+            "Times the index missed events and was cleared.",
+            labels=labels,
+        )
+        now = time.time()
+        for reading in self.read():
+            label = [self.model, str(reading.replica)]
+            if reading.newest_ts is not None:
+                lag.add_metric(label, max(0.0, now - reading.newest_ts))
+            blocks.add_metric(label, reading.blocks)
+            usable.add_metric(label, float(reading.usable))
+            resyncs.add_metric(label, reading.resyncs)
+        by_cache, fallbacks = self.routed()
+        routed = CounterMetricFamily(
+            PREFIX + "gateway_kv_routed",
+            "Requests routed on the replicas' KV event indexes (kv_events), or by prefix "
+            "affinity while an index was not in step (way=fallback).",
+            labels=["model_name", "way"],
+        )
+        routed.add_metric([self.model, "kv_events"], by_cache)
+        routed.add_metric([self.model, "fallback"], fallbacks)
+        yield from (lag, blocks, usable, resyncs, routed)
+
+
 class Metrics:
     def __init__(self, model: str):
         self.model = model
@@ -209,6 +271,12 @@ class Metrics:
     def watch_replicas(self, read: Callable[[], Iterable[tuple[int, int, int, bool]]]) -> None:
         """The per-replica metrics, from `read()` at each scrape (_ReplicaCollector)."""
         self.registry.register(_ReplicaCollector(self.model, read))
+
+    def watch_kv_indexes(
+        self, read: Callable[[], Iterable[KvIndexReading]], routed: Callable[[], tuple[int, int]]
+    ) -> None:
+        """The per-replica KV event index metrics (_KvIndexCollector)."""
+        self.registry.register(_KvIndexCollector(self.model, read, routed))
 
     def error(self, status: int) -> None:
         self._http_errors.labels(self.model, str(status)).inc()

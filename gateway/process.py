@@ -7,7 +7,9 @@ another address).
 Outbox: Ready once it serves, Heartbeat, Drained -> supervisor.
 Owns: the HTTP server on a listening socket it inherits (the serving process keeps it open, so a
 restarted gateway serves on the same port), its SDK clients to the Engine (one per data-parallel
-replica: settings.replicas, gateway/replicas.py), the chat template.
+replica: settings.replicas, gateway/replicas.py), its subscriptions to their KV events and the
+index of each replica's prefix cache built from them (kv_events.py, kv_index.py), the chat
+template.
 Dies when: Stop, its supervisor goes away, or its server stops by itself (then non-zero, and the
 supervisor restarts it). A stall or an OOM here no longer touches supervision: the supervisor's
 event loop runs nothing of the gateway's. When it dies, the Engine aborts its requests (its

@@ -24,6 +24,12 @@ failed, it refused a request as unavailable: draining) gets no new requests unti
 check answers again. `route_policy` "round_robin" ignores keys, load and KV use: each request
 goes to the next usable replica in turn (a baseline for scripts/bench_dp_routing.py).
 
+`route_policy` "kv_events" (`kv`, a KvRouter: gateway/kv_routing.py) routes on what each
+replica's prefix cache holds, from its KV events, against its prefill queue and running decodes:
+the larger of this gateway's (prompt tokens sent there without a first token yet, requests past
+it) and the replica's own (EngineStats). While any usable replica's index is not in step it
+falls back to prefix affinity as above.
+
 Failover (`ReplicaSet.generate`): a stream whose replica fails it as unavailable goes on on
 another usable replica as a resumption (GenerateRequest.resume with the tokens each sample has
 received, the same the SDK sends an Engine that restarted), so its output is the fault-free one
@@ -42,6 +48,7 @@ from ..messages.client import Delta, EngineStats, HealthReply, ResumedSample
 from ..messages.common import SamplingParams
 from .client import AsyncClient
 from .errors import EngineError, EngineUnavailable
+from .kv_routing import KvRouter
 
 STALE_INTERVALS = 5  # stats older than this many route_stats_interval_s are not used
 
@@ -113,6 +120,8 @@ class Replica:
         self.index = index
         self.client = client
         self.in_flight = 0  # this gateway's requests there, not ended
+        self.awaiting_first = 0  # of which without a first token yet
+        self.prefill_here = 0  # their prompt tokens not in its cache (as far as we know)
         self.routed = 0  # requests (and resumptions) sent there
         self.up = True
         self.stats: EngineStats | None = None  # its last answer to a stats poll or health check
@@ -147,6 +156,7 @@ class ReplicaSet:
         kv_high: float = 0.9,
         stats_interval_s: float | None = None,
         policy: str = "prefix",
+        kv: KvRouter | None = None,
     ):
         """`stats_interval_s`: poll the replicas' stats at most this often (None: never; the
         load is then this gateway's requests in flight alone)."""
@@ -161,23 +171,34 @@ class ReplicaSet:
         self.kv_high = kv_high
         self.stats_interval_s = stats_interval_s
         self.policy = policy
+        self.kv = kv if policy == "kv_events" else None
         self._last_turn = -1  # round robin: the replica that took the last request
         self._stats_poll: asyncio.Task | None = None
         self._stats_polled = -float("inf")
         self._retired: list[AsyncClient] = []  # the clients of moved replicas, until closed
         self._closing: set[asyncio.Task] = set()
 
-    def choose(self, key: bytes | None) -> Replica | None:
+    def choose(self, key: bytes | None, hashes: list[bytes] | None = None) -> Replica | None:
+        """`hashes`: the prompt's block chain, for kv_events (None: prefix affinity)."""
         usable = [r.up for r in self.replicas]
         if self.policy == "round_robin":
             index = next_in_turn(self._last_turn, usable)
             self._last_turn = self._last_turn if index is None else index
-        else:
-            self._poll_stats_soon()
-            max_age = (self.stats_interval_s or 0.0) * STALE_INTERVALS
-            loads = [replica_load(r.in_flight, r.fresh_stats(max_age)) for r in self.replicas]
-            kv_use = [r.kv_use(max_age) for r in self.replicas]
-            index = choose_replica(key, loads, usable, self.load_margin, kv_use, self.kv_high)
+            return None if index is None else self.replicas[index]
+        self._poll_stats_soon()
+        max_age = (self.stats_interval_s or 0.0) * STALE_INTERVALS
+        stats = [r.fresh_stats(max_age) for r in self.replicas]
+        loads = [replica_load(r.in_flight, s) for r, s in zip(self.replicas, stats, strict=True)]
+        kv_use = [r.kv_use(max_age) for r in self.replicas]
+        index = choose_replica(key, loads, usable, self.load_margin, kv_use, self.kv_high)
+        if self.kv is not None and hashes is not None and self.kv.ready(usable):
+            prefill, decodes = [], []
+            for replica, replica_stats in zip(self.replicas, stats, strict=True):
+                theirs = replica_stats or EngineStats()
+                prefill.append(max(replica.prefill_here, theirs.prefill_tokens_queued))
+                decoding = replica.in_flight - replica.awaiting_first
+                decodes.append(max(decoding, theirs.num_running))
+            index = self.kv.choose(hashes, usable, prefill, decodes, index, kv_use, self.kv_high)
         return None if index is None else self.replicas[index]
 
     def _poll_stats_soon(self) -> None:
@@ -205,17 +226,23 @@ class ReplicaSet:
             if isinstance(reply, HealthReply):
                 replica.observe(reply.stats)
 
-    async def _key(self, prompt: str | list[int]) -> bytes | None:
+    async def _route_keys(
+        self, prompt: str | list[int], cache_salt: str | None
+    ) -> tuple[bytes | None, list[bytes] | None, int]:
+        """(prefix key, block chain for kv_events or None, prompt tokens known)."""
         if len(self.replicas) < 2:
-            return None
+            return None, None, 0
         if isinstance(prompt, str):
             if self.tokenize is None:
-                return None
+                return None, None, 0
             # the head of a long prompt is enough for its first blocks unless its tokens average
             # over 16 characters: then the key covers fewer blocks, the same for the same head
-            head = prompt[: self.block_size * self.prefix_blocks * 16]
+            blocks = self.kv.max_blocks if self.kv is not None else self.prefix_blocks
+            head = prompt[: self.block_size * max(blocks, self.prefix_blocks) * 16]
             prompt = await asyncio.to_thread(self.tokenize, head)
-        return prefix_key(prompt, self.block_size, self.prefix_blocks)
+        key = prefix_key(prompt, self.block_size, self.prefix_blocks)
+        hashes = self.kv.hashes(prompt, cache_salt) if self.kv is not None else None
+        return key, hashes, len(prompt)
 
     async def generate(
         self,
@@ -227,14 +254,15 @@ class ReplicaSet:
     ) -> AsyncIterator[Delta]:
         """AsyncClient.generate on the chosen replica, resumed on another if that one fails."""
         params = params or SamplingParams()
-        key = await self._key(prompt)
+        key, hashes, num_tokens = await self._route_keys(prompt, params.cache_salt)
         n = max(1, params.n)
         received: dict[int, list[int]] = {}
         done: set[int] = set()
         resume: list[ResumedSample] | None = None
-        replica = self.choose(key) or self.replicas[0]  # none up: the SDK says why
+        replica = self.choose(key, hashes) or self.replicas[0]  # none up: the SDK says why
         while True:
             current = replica
+            prefill = self._routed(current, hashes, num_tokens)
             current.in_flight += 1
             current.routed += 1
             if request_id is not None:
@@ -244,6 +272,9 @@ class ReplicaSet:
             )
             try:
                 async for delta in stream:
+                    if prefill is not None:
+                        self._first_token(current, prefill)
+                        prefill = None
                     received.setdefault(delta.index, []).extend(delta.token_ids)
                     if delta.finished:
                         done.add(delta.index)
@@ -253,7 +284,7 @@ class ReplicaSet:
                 if not _failover_worthy(exc):
                     raise
                 self.mark_down(current)
-                successor = self.choose(key)
+                successor = self.choose(key, hashes)
                 if successor is None:
                     raise
                 replica = successor
@@ -261,10 +292,30 @@ class ReplicaSet:
                     ResumedSample(i, list(received.get(i, []))) for i in range(n) if i not in done
                 ]
             finally:
+                if prefill is not None:  # it ended before its first token
+                    self._first_token(current, prefill)
                 current.in_flight -= 1
                 if request_id is not None and self.serving.get(request_id) is current:
                     del self.serving[request_id]
                 await stream.aclose()  # the SDK aborts a request left before it finished
+
+    def _routed(self, replica: Replica, hashes: list[bytes] | None, num_tokens: int) -> int:
+        """Count a request sent to `replica` as awaiting its first token, with its prompt
+        tokens not cached there; the prefill so counted."""
+        prefill = num_tokens
+        if self.kv is not None and hashes is not None:
+            cached = self.kv.indexes[replica.index].cached_prefix_blocks(hashes)
+            prefill = max(0, num_tokens - cached * self.block_size)
+            self.kv.routed(replica.index, hashes)
+        replica.awaiting_first += 1
+        replica.prefill_here += prefill
+        return prefill
+
+    @staticmethod
+    def _first_token(replica: Replica, prefill: int) -> None:
+        """Undo `_routed`'s count: the request has its first token (or ended)."""
+        replica.awaiting_first -= 1
+        replica.prefill_here -= prefill
 
     async def abort(self, request_id: str) -> None:
         """AsyncClient.abort on the replica serving `request_id` (on every replica when none

@@ -41,6 +41,9 @@ from .curve_keys import ClientKeys
 from .errors import EngineError
 from .guards import add_guards, has_api_key
 from .health import HealthChecks
+from .kv_events import KvEventFeed
+from .kv_index import ReplicaIndex
+from .kv_routing import KvRouter
 from .live_stats import StatsHistory
 from .metrics import CONTENT_TYPE
 from .openai_completions import completions
@@ -195,6 +198,7 @@ class HTTPGateway:
         self.port = port
         self.task: asyncio.Task | None = None
         self._chat: asyncio.Future | None = None
+        self.feed: KvEventFeed | None = None
 
     def prepare(self, sock: socket.socket | None = None) -> None:
         """Bind the port (OSError if taken), or take `sock`, a listening socket bound already,
@@ -220,6 +224,25 @@ class HTTPGateway:
         keys = self.engine_keys or [None] * len(addresses)
         self.engine_keys = keys
         clients = [self._engine_client(address, i) for i, address in enumerate(addresses)]
+        kv = None
+        if settings.route_policy == "kv_events" and len(addresses) > 1:
+            indexes = [
+                ReplicaIndex(settings.route_kv_max_blocks, settings.block_size) for _ in addresses
+            ]
+            try:
+                self.feed = KvEventFeed(addresses, keys, indexes, settings.route_kv_message_bytes)
+            except ValueError as exc:  # an address with no events beside it: affinity alone
+                log.warning("route_policy kv_events: %s; routing by prefix affinity", exc)
+        if self.feed is not None:
+            kv = KvRouter(
+                indexes,
+                settings.block_size,
+                settings.route_kv_prompt_blocks,
+                settings.route_prefill_weight,
+                settings.route_decode_weight,
+                settings.route_kv_assume_s,
+            )
+            self.feed.start()
         self.client = ReplicaSet(
             clients,
             settings.block_size,
@@ -230,6 +253,7 @@ class HTTPGateway:
             kv_high=settings.route_kv_high,
             stats_interval_s=settings.route_stats_interval_s,
             policy=settings.route_policy,
+            kv=kv,
         )
         self.app = create_app(self.client, self.settings, chat)
         config = GatewayConfig(
@@ -268,6 +292,11 @@ class HTTPGateway:
     def move_replica(self, index: int, address: str) -> None:
         """Replica `index` serves at `address` from now on (ReplicaSet.move)."""
         self.client.move(index, self._engine_client(address, index))
+        if self.feed is not None:
+            try:
+                self.feed.move(index, address)
+            except ValueError as exc:  # no events beside the new address: affinity for it
+                log.warning("replica %d moved; its KV events: %s", index, exc)
 
     def refuse_new(self) -> None:
         """From now on, answer 503 to new requests (those in flight go on)."""
@@ -283,3 +312,5 @@ class HTTPGateway:
             except (Exception, SystemExit) as exc:
                 log.warning("HTTP server stopped with %r", exc)
         await self.client.close()
+        if self.feed is not None:
+            await self.feed.close()

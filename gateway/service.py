@@ -10,24 +10,19 @@ errors, and aborts the request in the Engine whenever its consumer goes away bef
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Literal
 
-import msgspec
-from msgspec import Meta
-
-from ..actors.runtime.config import NOT_A_FLAG
 from ..messages.client import Delta
 from ..messages.common import OutputKind, SamplingParams, max_prompt_chars
 from .client_limits import ClientLimits, client_name
 from .errors import EngineError
-from .metrics import Metrics
+from .metrics import KvIndexReading, Metrics
 from .openai_errors import RETRY_AFTER, APIError, invalid
 from .openai_logprobs import TokenNames
 from .openai_requests import ChatMessage
 from .replicas import ReplicaSet
+from .settings import GatewaySettings
 
 SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
 ENGINE_STATUS = {
@@ -36,160 +31,6 @@ ENGINE_STATUS = {
     "rate_limit_exceeded": 429,
     "unavailable": 503,
 }
-
-
-class GatewaySettings(msgspec.Struct, kw_only=True):
-    """The gateway's settings; each one not marked NOT_A_FLAG (those come from the engine) is a
-    flag of `actorserve serve`, generated from its field (cli/flags.py). Sizes in bytes, times
-    in seconds."""
-
-    model_id: Annotated[str, Meta(description="the name clients pass as `model`", extra=NOT_A_FLAG)]
-    model_dir: Annotated[str, Meta(description="the checkpoint", extra=NOT_A_FLAG)]
-    max_model_len: Annotated[int, Meta(description="the engine's", extra=NOT_A_FLAG)]
-    vocab_size: Annotated[int, Meta(description="the model's", extra=NOT_A_FLAG)]
-    block_size: Annotated[int, Meta(description="the engine's", extra=NOT_A_FLAG)] = 16
-    send_timeout_s: Annotated[
-        float,
-        Meta(
-            description="the engine's: drop a connection that takes none of our output for "
-            "this long, aborting its requests",
-            extra=NOT_A_FLAG,
-        ),
-    ] = 30.0
-    api_key: Annotated[
-        list[str],
-        Meta(
-            description="require 'Authorization: Bearer KEY', KEY one of these (comma-separated; "
-            "each key is a client of its own to max_client_requests and "
-            "max_client_output_tokens); unset: $ACTORSERVE_API_KEY's if set"
-        ),
-    ] = []
-    max_client_requests: Annotated[
-        int | None, Meta(description="the engine's, resolved", extra=NOT_A_FLAG)
-    ] = None
-    max_client_output_tokens: Annotated[
-        int | None, Meta(description="the engine's", extra=NOT_A_FLAG)
-    ] = None
-    max_concurrent_requests: Annotated[
-        int | None,
-        Meta(description="answer 429 over this many requests in flight; unset: max_live_requests"),
-    ] = None
-    max_batch_prompts: Annotated[
-        int,
-        Meta(
-            description="prompts in one /v1/completions request (a list: each its own request "
-            "in the engine, each counted against max_concurrent_requests)"
-        ),
-    ] = 256
-    max_body_bytes: Annotated[
-        int, Meta(description="largest request body accepted, and WebSocket message")
-    ] = 8 * 1024 * 1024
-    max_connections: Annotated[
-        int, Meta(description="open HTTP + WebSocket connections; one more gets 503")
-    ] = 2048
-    keep_alive_s: Annotated[
-        float, Meta(description="close an idle keep-alive connection after this")
-    ] = 5.0
-    read_timeout_s: Annotated[
-        float,
-        Meta(description="a request's head, then its body, must arrive within this; else 408"),
-    ] = 30.0
-    max_header_bytes: Annotated[
-        int, Meta(description="longest request line + headers; over it, 431")
-    ] = 16 * 1024
-    max_requests_per_socket: Annotated[
-        int, Meta(description="live requests on one WebSocket; a generate over it gets an error")
-    ] = 64
-    health_timeout_s: Annotated[
-        float, Meta(description="how long /health and /ready wait for the engine")
-    ] = 10.0
-    health_interval_s: Annotated[
-        float, Meta(description="/health and /ready ask the engine at most once per interval")
-    ] = 5.0
-    stats_interval_s: Annotated[
-        float, Meta(description="/v1/stats asks the engine at most once per interval")
-    ] = 1.0
-    stats_window_s: Annotated[
-        float, Meta(description="how far back the history /v1/stats returns goes")
-    ] = 300.0
-    allowed_origins: Annotated[
-        list[str],
-        Meta(
-            description="comma-separated browser origins allowed besides the server's own pages "
-            "(CORS, WebSocket handshakes); '*': any; unset: the server's own only"
-        ),
-    ] = []
-    allowed_hosts: Annotated[
-        list[str],
-        Meta(
-            description="comma-separated Host names accepted ('*.example.com': subdomains); set "
-            "it on a private address against DNS rebinding; unset: any"
-        ),
-    ] = []
-
-    replicas: Annotated[
-        list[str],
-        Meta(
-            description="comma-separated client addresses of the engine replicas to route across "
-            "(data parallel, see gateway/replicas.py); unset: the engines this server starts"
-        ),
-    ] = []
-    route_load_margin: Annotated[
-        int,
-        Meta(
-            description="a request goes to its prefix's replica unless that one has more than "
-            "this many requests in flight above the least-loaded replica"
-        ),
-    ] = 4
-    route_prefix_blocks: Annotated[
-        int, Meta(description="full KV blocks of the prompt that pick its replica (at most)")
-    ] = 4
-    route_policy: Annotated[
-        Literal["prefix", "round_robin"],
-        Meta(
-            description="prefix: a prompt's first blocks pick its replica, balanced against load "
-            "and KV use; round_robin: each request to the next replica (a baseline)"
-        ),
-    ] = "prefix"
-    route_stats_interval_s: Annotated[
-        float,
-        Meta(
-            description="ask each replica for its running, waiting and KV use at most this often "
-            "(its load, for routing)"
-        ),
-    ] = 1.0
-    route_kv_high: Annotated[
-        float,
-        Meta(
-            description="a replica whose KV cache use (0..1) is over this gets no requests while "
-            "another is under it"
-        ),
-    ] = 0.9
-    replica_server_keys: Annotated[
-        list[str],
-        Meta(
-            description="comma-separated server.key files (CurveZMQ public keys) of the "
-            "--replicas, by position; one file: every replica's"
-        ),
-    ] = []
-    curve_client_key: Annotated[
-        str | None,
-        Meta(
-            description="the gateway's client.key_secret for the --replicas (each replica "
-            "authorizes its client.key); unset: a fresh key pair (for replicas that admit any "
-            "client)"
-        ),
-    ] = None
-    engine_liveness_timeout_s: Annotated[
-        float,
-        Meta(
-            description="an engine silent this long while streams are open is taken for dead: "
-            "its streams go on on another replica, or fail with one"
-        ),
-    ] = 10.0
-
-    def accepts_model(self, name: str | None) -> bool:
-        return name is None or name in (self.model_id, os.path.basename(self.model_id.rstrip("/")))
 
 
 INT64 = range(-(2**63), 2**63)
@@ -249,6 +90,15 @@ class Gateway:
         self.metrics.watch_replicas(
             lambda: [(r.index, r.routed, r.in_flight, r.up) for r in client.replicas]
         )
+        kv = client.kv
+        if kv is not None:
+            self.metrics.watch_kv_indexes(
+                lambda: [
+                    KvIndexReading(i, len(x.blocks), x.usable, x.newest_ts, x.resyncs)
+                    for i, x in enumerate(kv.indexes)
+                ],
+                lambda: (kv.by_cache, kv.fallbacks),
+            )
         self._idle = asyncio.Event()
         self._idle.set()
 

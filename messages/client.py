@@ -146,6 +146,8 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     generation_tokens: int = 0
     blocks_total: int = 0
     blocks_free: int = 0
+    # prompt tokens of the running and waiting requests not computed yet (the prefill queue)
+    prefill_tokens_queued: int = 0
 
     @property
     def blocks_used(self) -> int:

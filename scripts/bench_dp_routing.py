@@ -1,20 +1,29 @@
-"""Data-parallel routing: prefix affinity against round robin on a shared-prefix workload.
+"""Data-parallel routing: KV-event routing and prefix affinity against round robin.
 
 Two replicas (`actorserve serve --data-parallel-size 2`, one torch thread each) behind one
-gateway, started once per policy (`--route-policy prefix`, then `round_robin`). The workload:
-`--system-prompts` system prompts of `--system-blocks` (4-8) KV blocks each, every request one
-of them plus its own user suffix, in a shuffled order, sent `--concurrency` at a time through the
-OpenAI streaming endpoint (POST /v1/completions, stream=true; scripts/serving_load.py's
-GatewayDoor). Per policy:
-TTFT p50/p90, output tokens/s, and the prefix-cache hit rate (the replicas' hit tokens over
-their looked-up tokens, from /health, over the run); then prefix / round robin ratios.
+gateway, started once per policy (`--route-policy kv_events`, `prefix`, then `round_robin`),
+requests sent `--concurrency` at a time through the OpenAI streaming endpoint (POST
+/v1/completions, stream=true; scripts/serving_load.py's GatewayDoor). Two workloads:
 
-Prefix affinity sends every request of one system prompt to one replica, whose cache holds that
-prompt's blocks after its first request; round robin sends each system prompt to both, so both
-compute it (and each holds every prompt's blocks, half the room for each).
+    shared  `--system-prompts` system prompts of `--system-blocks` (4-8) KV blocks each, every
+            request one of them plus its own user suffix, in a shuffled order
+    chat    `--conversations` multi-turn chats, `--concurrency` at a time, each turn sent when
+            the one before it ended: a common system prompt (2 blocks), then every turn's
+            prompt is the previous prompt, a reply (`--output-len` tokens, made up: the model's
+            own would be random-weight noise anyway) and a new user message, so each
+            conversation's prefix grows
 
-    python scripts/bench_dp_routing.py [--model llama-350m] [--num-requests 96]
-                                       [--concurrency 8] [--json PATH]
+Per policy: TTFT p50/p90, output tokens/s, and the prefix-cache hit rate (the replicas' hit
+tokens over their looked-up tokens, from /health, over the run); then each policy over round
+robin.
+
+Prefix affinity sends every request of one system prompt (or conversation) to one replica, by a
+hash of its first blocks; kv_events sends it where the replicas' KV events say its longest
+prefix is cached, against their queued prefill and running decodes; round robin sends each
+prompt to both, so both compute it (and each holds every prompt's blocks, half the room each).
+
+    python scripts/bench_dp_routing.py [--model llama-350m] [--workload shared|chat]
+                                       [--num-requests 96] [--concurrency 8] [--json PATH]
 """
 
 from __future__ import annotations
@@ -32,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc  # noqa: E402
 from bench_serving import Server  # noqa: E402
-from serving_load import GatewayDoor, run_point, summarize  # noqa: E402
+from serving_load import GatewayDoor, Record, run_point, summarize  # noqa: E402
 
-POLICIES = ("prefix", "round_robin")
+POLICIES = ("kv_events", "prefix", "round_robin")
 BLOCK_SIZE = 16
 HEALTH_INTERVAL_S = 0.5  # /health repeats its answer this long: the counters wait it out
 
@@ -81,22 +90,69 @@ def shared_prefix_workload(
     return requests
 
 
-async def drive(port: int, workload: list[bc.Request], concurrency: int) -> dict:
+def chat_workload(
+    conversations: int,
+    turns: int,
+    user_tokens: tuple[int, int],
+    vocab: int,
+    output_len: int,
+    seed: int,
+) -> list[list[bc.Request]]:
+    """Each conversation's turns, in order: turn t's prompt is turn t-1's, a reply of
+    `output_len` tokens and a user message of `user_tokens` (min, max) tokens."""
+    rng = random.Random(seed)
+    system = [rng.randrange(5, vocab) for _ in range(2 * BLOCK_SIZE)]
+    chats = []
+    for _ in range(conversations):
+        prompt = system + [rng.randrange(5, vocab) for _ in range(rng.randint(*user_tokens))]
+        chat = [bc.Request(list(prompt), output_len)]
+        for _ in range(turns - 1):
+            prompt += [rng.randrange(5, vocab) for _ in range(output_len)]  # the reply
+            prompt += [rng.randrange(5, vocab) for _ in range(rng.randint(*user_tokens))]
+            chat.append(bc.Request(list(prompt), output_len))
+        chats.append(chat)
+    return chats
+
+
+async def run_chats(door, chats: list[list[bc.Request]], concurrency: int) -> list[Record]:
+    """`concurrency` conversations at a time, the turns of each one after another."""
+    records: list[Record] = []
+    queue = iter(chats)
+
+    async def worker() -> None:
+        for chat in queue:
+            for request in chat:
+                record = Record()
+                records.append(record)
+                try:
+                    await door.send(request, record)
+                except Exception as exc:  # noqa: BLE001 - reported per request
+                    record.error = f"{type(exc).__name__}: {exc}"
+                    record.end = time.perf_counter()
+
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    return records
+
+
+async def drive(port: int, workload, concurrency: int, chats: bool = False) -> dict:
     door = GatewayDoor("127.0.0.1", port)
     await door.open()
     try:
+        if chats:
+            return summarize(await run_chats(door, workload, concurrency))
         return summarize(await run_point(door, workload, None, concurrency, seed=0))
     finally:
         await door.close()
 
 
-def measure(model_dir: Path, policy: str, args, workload: list[bc.Request]) -> dict:
+def measure(model_dir: Path, policy: str, args, workload) -> dict:
     server = DataParallelServer(model_dir, policy, args.serve_flags)
     try:
         warm = [bc.Request([7 + i] * 4, 2) for i in range(4)]  # first steps, no shared blocks
         asyncio.run(drive(server.port, warm, 2))
         hits_before, queried_before = server.prefix_tokens()
-        row = asyncio.run(drive(server.port, workload, args.concurrency))
+        chats = args.workload == "chat"
+        row = asyncio.run(drive(server.port, workload, args.concurrency, chats))
         hits, queried = server.prefix_tokens()
     finally:
         server.stop()
@@ -108,6 +164,18 @@ def measure(model_dir: Path, policy: str, args, workload: list[bc.Request]) -> d
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-350m", help="a checkpoint kind or directory")
+    parser.add_argument("--workload", choices=("shared", "chat"), default="shared")
+    parser.add_argument("--policies", type=lambda t: t.split(","), default=list(POLICIES))
+    parser.add_argument("--conversations", type=int, default=16, help="chat: conversations")
+    parser.add_argument("--turns", type=int, default=6, help="chat: turns per conversation")
+    parser.add_argument(
+        "--user-tokens",
+        type=int,
+        nargs=2,
+        default=[16, 48],
+        metavar=("MIN", "MAX"),
+        help="chat: tokens of each user message",
+    )
     parser.add_argument("--num-requests", type=int, default=96)
     parser.add_argument("--system-prompts", type=int, default=8)
     parser.add_argument(
@@ -131,23 +199,48 @@ def main() -> int:
     args = parser.parse_args()
     model_dir = bc.resolve_model(args.model)
     vocab = bc.ModelShape.read(model_dir).vocab
-    workload = shared_prefix_workload(
-        args.num_requests,
-        args.system_prompts,
-        tuple(args.system_blocks),
-        vocab,
-        args.output_len,
-        args.seed,
-    )
-    rows = [measure(model_dir, policy, args, workload) for policy in POLICIES]
+    if args.workload == "chat":
+        workload = chat_workload(
+            args.conversations,
+            args.turns,
+            tuple(args.user_tokens),
+            vocab,
+            args.output_len,
+            args.seed,
+        )
+        what = (
+            f"{args.conversations} chats of {args.turns} turns (user messages of "
+            f"{args.user_tokens[0]}-{args.user_tokens[1]} tokens)"
+        )
+    else:
+        workload = shared_prefix_workload(
+            args.num_requests,
+            args.system_prompts,
+            tuple(args.system_blocks),
+            vocab,
+            args.output_len,
+            args.seed,
+        )
+        what = (
+            f"{args.num_requests} requests over {args.system_prompts} system prompts of "
+            f"{args.system_blocks[0]}-{args.system_blocks[1]} blocks"
+        )
+    rows = [measure(model_dir, policy, args, workload) for policy in args.policies]
     failed = sum(row["failed"] for row in rows)
-    prefix, round_robin = rows
-    ratios = {
-        "policy": "prefix / round_robin",
-        "ttft_p50_ms": prefix["ttft_p50_ms"] / round_robin["ttft_p50_ms"],
-        "ttft_p90_ms": prefix["ttft_p90_ms"] / round_robin["ttft_p90_ms"],
-        "output_throughput": prefix["output_throughput"] / round_robin["output_throughput"],
-    }
+    base = next((row for row in rows if row["policy"] == "round_robin"), None)
+    ratios = []
+    for row in rows if base is not None else []:
+        if row is base:
+            continue
+        ratios.append(
+            {
+                "policy": f"{row['policy']} / round_robin",
+                **{
+                    key: row[key] / base[key]
+                    for key in ("ttft_p50_ms", "ttft_p90_ms", "output_throughput")
+                },
+            }
+        )
     columns = [
         bc.Column("policy", "policy"),
         bc.Column("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"),
@@ -157,14 +250,13 @@ def main() -> int:
         bc.Column("failed", "failed"),
     ]
     title = (
-        f"DP routing, 2 replicas x 1 thread, {bc.model_label(args.model)}: {args.num_requests} "
-        f"requests over {args.system_prompts} system prompts of {args.system_blocks[0]}-"
-        f"{args.system_blocks[1]} blocks, concurrency {args.concurrency}, {args.output_len} "
-        f"output tokens, serve flags {' '.join(args.serve_flags) or '-'}\n{bc.machine_line(1)}\n"
+        f"DP routing, 2 replicas x 1 thread, {bc.model_label(args.model)}: {what}, concurrency "
+        f"{args.concurrency}, {args.output_len} output tokens, serve flags "
+        f"{' '.join(args.serve_flags) or '-'}\n{bc.machine_line(1)}\n"
     )
-    notes = ["(ratio row: prefix over round robin; TTFT under 1 is prefix affinity's gain)"]
-    print(bc.format_table([*rows, ratios], columns, title, notes))
-    bc.write_json(args.json, [*rows, ratios])
+    notes = ["(ratio rows: each policy over round robin; TTFT under 1 is its gain)"]
+    print(bc.format_table([*rows, *ratios], columns, title, notes))
+    bc.write_json(args.json, [*rows, *ratios])
     return 1 if failed else 0
 
 

@@ -9,8 +9,8 @@ import random
 import pytest
 from gateway_support import AUTH, call, shared_gateway
 
-from actorserve.actors.block_manager.block_hash import NO_SALT, block_hash, chain_hashes, chain_root
 from actorserve.actors.block_manager.block_pool import BlockPool
+from actorserve.actors.runtime.block_hash import NO_SALT, block_hash, chain_hashes, chain_root
 from actorserve.messages.blocks import BlockNeed
 from actorserve.messages.common import MAX_CACHE_SALT, SamplingParams
 

@@ -199,8 +199,8 @@ def tree(tmp_path: Path) -> Path:
         ),
         (
             "gateway/replicas.py",
-            "from ..actors.block_manager.block_hash import chain_hashes\n",
-            "gateway.replicas imports actors.block_manager.block_hash",
+            "from ..actors.block_manager.block_pool import BlockPool\n",
+            "gateway.replicas imports actors.block_manager.block_pool",
         ),
         (
             "actors/runtime/config.py",

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from gateway_support import wait_until
 
 from actorserve.gateway.client import AsyncClient
 from actorserve.gateway.curve_keys import client_options, write_keys
@@ -156,6 +157,21 @@ def test_completions_through_the_gateway_land_on_both_remote_replicas(cluster, l
     assert sum(counts.values()) == 12 and min(counts.get(r, 0) for r in "01") >= 1, counts
     # and each engine saw its share, by its own count (through its own SDK client)
     assert all(engine.client.health().stats.prompt_tokens > 0 for engine in engines)
+
+
+def kv_index(gateway: GatewayOnly, name: str) -> dict[str, float]:
+    pattern = rf'actorserve_replica_kv_index_{name}\{{model_name="[^"]*",replica="(\d)"\}} (\S+)'
+    return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, gateway.metrics())}
+
+
+def test_the_gateway_follows_each_replicas_kv_events_over_curve_and_a_stranger_does_not(
+    cluster,
+):
+    _, _, gateways, _ = cluster
+    # each BlockManager publishes on its client port + 1, CURVE with the client socket's keys
+    assert wait_until(lambda: kv_index(gateways["right"], "usable") == {"0": 1.0, "1": 1.0}, 30)
+    assert sum(kv_index(gateways["right"], "blocks").values()) > 0
+    assert kv_index(gateways["stranger"], "usable") == {"0": 0.0, "1": 0.0}
 
 
 def test_a_gateway_whose_key_no_replica_authorizes_gets_a_503_naming_the_replica_at_once(

@@ -2,8 +2,10 @@
 
 Inbox: AllocateStep, FreeBlocks, Reset (Scheduler); StatsQuery (from the Scheduler, for the
 Engine); Stop. AllocateStep and FreeBlocks of another epoch than the last Reset's are dropped.
-Outbox: Allocation -> Scheduler; StatsReply -> Engine; Ready, Heartbeat -> supervisor.
-Owns: the free list and every request's block table.
+Outbox: Allocation -> Scheduler; StatsReply -> Engine; Ready, Heartbeat -> supervisor; KV
+events (a KvEventBatch after each message that changed the prefix cache, a KvSnapshot for each
+subscription: kv_events.py) -> its XPUB socket, for the gateways (with `kv_events` on).
+Owns: the free list and every request's block table; its KV events' epoch and sequence.
 Dies when: Stop, or its supervisor goes away (then by SIGTERM); or an allocation fails (the
 pool may be inconsistent): it exits and the supervisor's restart recovers every request.
 """
@@ -19,6 +21,7 @@ from ...messages.control import Ready, Reset
 from ...messages.step import StatsQuery, StatsReply
 from ..runtime.actor import Actor, actor_main
 from .block_pool import BlockPool
+from .kv_events import KvEventLog, KvEventPublisher
 
 
 class BlockManager(Actor):
@@ -29,15 +32,41 @@ class BlockManager(Actor):
         super().__init__(config)
         if config.num_kv_blocks is None:
             raise ValueError("num_kv_blocks must be resolved (the Worker's Ready) before start")
-        self.pool = BlockPool.for_config(config)
         self.epoch = config.epoch
+        self.publisher: KvEventPublisher | None = None
+        self.pool = self._new_pool()
+
+    def _new_pool(self) -> BlockPool:
+        pool = BlockPool.for_config(self.config)
+        if self.config.kv_events:
+            pool.events = KvEventLog(pool.block_size)
+        return pool
+
+    async def setup(self) -> None:
+        if self.config.kv_events:
+            self.publisher = KvEventPublisher(self.ctx, self.config, lambda: self.pool.cached)
+            self.publisher.new_epoch(self.epoch)
+
+    async def background(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.serve_subscriptions()
+
+    async def teardown(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+
+    def _publish(self) -> None:
+        if self.publisher is not None and self.pool.events is not None:
+            self.publisher.publish(self.pool.events.take())
 
     def ready(self) -> Ready:
         return Ready(actor=self.name, pid=os.getpid(), num_kv_blocks=self.pool.num_blocks)
 
     def on_reset(self, message: Reset) -> None:
         self.epoch = message.epoch
-        self.pool = BlockPool.for_config(self.config)
+        self.pool = self._new_pool()
+        if self.publisher is not None:
+            self.publisher.new_epoch(self.epoch)
 
     def on_allocate_step(self, message: AllocateStep) -> None:
         if message.epoch != self.epoch:
@@ -56,6 +85,7 @@ class BlockManager(Actor):
             self.log.exception("allocation failed (step %d); restarting", message.step_id)
             os._exit(1)
         self.send("scheduler", allocation)
+        self._publish()
 
     def on_free_blocks(self, message: FreeBlocks) -> None:
         if message.epoch != self.epoch:

@@ -11,15 +11,21 @@ Invariants (checked by tests/test_block_pool.py after every operation):
 A new request reuses the longest chain of cached full blocks whose tokens match, always leaving
 at least one prompt token to compute (the step that computes it produces the logits).
 Swapped-out requests hold CPU blocks instead (a plain free list: CPU blocks are never cached).
+`events` (the BlockManager's KvEventLog, kv_events.py), when set, hears of every hash that enters
+or leaves `cached`, in order: what the gateways' indexes of this cache are built from.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from ...messages.blocks import Allocation, BlockNeed, Grant
+from ..runtime.block_hash import NO_SALT, chain_hashes, chain_root
 from ..runtime.config import EngineConfig
-from .block_hash import NO_SALT, chain_hashes, chain_root
+
+if TYPE_CHECKING:
+    from .kv_events import KvEventLog
 
 
 class Block:
@@ -61,6 +67,7 @@ class BlockPool:
         self.num_forks = 0  # samples that took another sample's prompt blocks
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of which found
+        self.events: KvEventLog | None = None
 
     @classmethod
     def for_config(cls, config: EngineConfig) -> BlockPool:
@@ -89,6 +96,8 @@ class BlockPool:
         if block.hash is not None:  # evict its cached content
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
+                if self.events is not None:
+                    self.events.removed(block.hash)
             block.hash = block.parent = None
             block.tokens = ()
         block.ref_count = 1
@@ -170,6 +179,8 @@ class BlockPool:
             if block.hash is None and h not in self.cached:
                 block.hash, block.parent, block.tokens = h, parent_h, chunk
                 self.cached[h] = block.block_id
+                if self.events is not None:
+                    self.events.stored(parent_h, h)
             parent = h
         self.chain[request_id] = (max(full, done), parent)
 

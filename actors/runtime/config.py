@@ -136,6 +136,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fault_crash_on_token_id: Annotated[
         int | None, Meta(description="tests only: the Worker dies on a step plan with this token")
     ] = None
+    kv_events: Annotated[
+        bool,
+        Meta(
+            description="the BlockManager publishes its prefix cache's changes (KV events) "
+            "beside the client address, for gateways that route on them (route_policy "
+            "kv_events)"
+        ),
+    ] = True
     # Scheduling
     enable_prefix_caching: Annotated[
         bool, Meta(description="reuse the KV blocks of a prompt prefix already computed")

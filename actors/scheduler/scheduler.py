@@ -110,7 +110,16 @@ class Scheduler(Actor):
         planner = self.planner
         running = len(planner.running)
         waiting = len(planner.waiting) + self.grammars.num_parked
-        message.stats = replace(planner.counters, num_running=running, num_waiting=waiting)
+        queued = sum(
+            max(0, r.num_prompt_tokens - r.num_computed)
+            for r in (*planner.running.values(), *planner.waiting)
+        )
+        message.stats = replace(
+            planner.counters,
+            num_running=running,
+            num_waiting=waiting,
+            prefill_tokens_queued=queued,
+        )
         self.send("block_manager", message)
 
     def on_allocation(self, message: Allocation) -> None:

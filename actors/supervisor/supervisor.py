@@ -72,6 +72,12 @@ class Supervisor:
         self.run_dir = tempfile.mkdtemp(prefix="actorserve-")  # mode 0700
         client_address = client_address or f"ipc://{self.run_dir}/client.sock"
         addresses = Addresses(self.run_dir, client_address)
+        if resolved.kv_events and actors:
+            try:
+                addresses.kv_events()
+            except ValueError as exc:  # no port beside the client's: serve on without events
+                log.warning("kv_events off: %s", exc)
+                resolved = msgspec.structs.replace(resolved, kv_events=False)
         self.config = msgspec.structs.replace(resolved, addresses=addresses)
         self.actors: dict[str, ActorProcess] = {}
         self.children: dict[str, Child] = {}  # by name
