@@ -67,6 +67,7 @@ def gateway(llama_dir):
     log = open(Path(fakes.dir) / "serve.log", "w")
     cmd = [sys.executable, "-m", "actorserve.cli", "serve", "--role", "gateway"]
     cmd += ["--model", str(llama_dir), "--port", "0", "--replicas", ",".join(fakes.addresses)]
+    cmd += ["--route-policy", "kv_events"]
     cmd += ["--route-kv-max-blocks", str(CAP), "--route-kv-message-bytes", "65536"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     lines = [proc.stdout.readline(), proc.stdout.readline()]

@@ -122,6 +122,7 @@ def cluster(llama_dir, tmp_path_factory):
             "--curve-client-key", client_key,
             "--engine-liveness-timeout-s", "20",
             "--route-stats-interval-s", "0.2",
+            "--route-policy", "kv_events",
         )  # fmt: skip
 
     public = {name: str(keys[name]["server_public"]) for name in "bc"}
