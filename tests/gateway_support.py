@@ -13,6 +13,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -125,6 +126,37 @@ def read_events(response, count: int | None = None) -> list[str]:
         if line.startswith(b"data: "):
             events.append(line[len(b"data: ") :].rstrip(b"\n").decode())
     return events
+
+
+def streams_through_a_fault(
+    server: GatewayServer, bodies: list[dict], fault=None, wait_s: float = 120.0
+) -> list[tuple[str, str] | None]:
+    """POST every /v1/completions body at once as an SSE stream; (text, finish reason) of each
+    (None where a stream did not end within `wait_s`). With `fault`, call it once every stream
+    has had its first events."""
+    started = threading.Barrier(len(bodies) + 1)
+    results: list = [None] * len(bodies)
+
+    def stream(i: int) -> None:
+        conn, response = open_stream(server, "/v1/completions", {**bodies[i], "stream": True})
+        events = read_events(response, 3)
+        started.wait()
+        events += read_events(response)
+        conn.close()
+        chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        reason = next(c["choices"][0]["finish_reason"] for c in reversed(chunks) if c["choices"])
+        results[i] = (text, reason)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    started.wait(wait_s)
+    if fault is not None:
+        fault()
+    for thread in threads:
+        thread.join(wait_s)
+    return results
 
 
 def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):

@@ -9,16 +9,14 @@ One server for the module (starting two stacks is most of the time); the SIGKILL
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from gateway_support import GatewayServer, call, open_stream, read_events, wait_until
+from gateway_support import GatewayServer, call, streams_through_a_fault, wait_until
 
 from actorserve import Client
 from support import prompts_of_lengths, smallest_greedy_margin
@@ -119,34 +117,15 @@ def replica_pids(name: str) -> list[int]:
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
 
 
-def streams(server, prompts, kill=None) -> list[tuple[str, str]]:
+def streams(server, prompts, kill=None) -> list[tuple[str, str] | None]:
     """Stream every prompt at once over SSE, greedy, the last two seeded; (text, finish reason)
     of each. With `kill`, call it once every stream has had its first events."""
-    started = threading.Barrier(len(prompts) + 1)
-    results: list = [None] * len(prompts)
-
-    def stream(i: int) -> None:
-        body = {"model": server.model_name, "prompt": prompts[i], "max_tokens": 120}
-        body |= {"stream": True, **({"temperature": 0} if i < len(prompts) - 2 else SEEDED)}
-        conn, response = open_stream(server, "/v1/completions", body)
-        events = read_events(response, 3)
-        started.wait()
-        events += read_events(response)
-        conn.close()
-        chunks = [json.loads(e) for e in events if e != "[DONE]"]
-        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-        reason = next(c["choices"][0]["finish_reason"] for c in reversed(chunks) if c["choices"])
-        results[i] = (text, reason)
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    started.wait(120)
-    if kill is not None:
-        kill()
-    for thread in threads:
-        thread.join(120)
-    return results
+    bodies = [
+        {"model": server.model_name, "prompt": prompt, "max_tokens": 120}
+        | ({"temperature": 0} if i < len(prompts) - 2 else SEEDED)
+        for i, prompt in enumerate(prompts)
+    ]
+    return streams_through_a_fault(server, bodies, kill)
 
 
 def test_streams_of_a_sigkilled_replica_complete_identically_on_the_other(server, llama_dir):

@@ -23,7 +23,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from gateway_support import call, open_stream, read_events, wait_until
+from gateway_support import call, streams_through_a_fault, wait_until
 
 from support import TEST_KV_CACHE_GB, prompts_of_lengths
 
@@ -148,34 +148,11 @@ def engine_tree(address: str) -> tuple[int, int, set[int]]:
     return table[supervisor][0], supervisor, actors
 
 
-def streams(server, prompts, fault=None) -> list[tuple[str, str]]:
+def streams(server, prompts, fault=None) -> list[tuple[str, str] | None]:
     """Stream every prompt at once over SSE, greedy; (text, finish reason) of each. With
     `fault`, call it once every stream has had its first events."""
-    started = threading.Barrier(len(prompts) + 1)
-    results: list = [None] * len(prompts)
-
-    def stream(i: int) -> None:
-        body = {"model": server.model_name, "prompt": prompts[i], "max_tokens": MAX_TOKENS}
-        body |= {"temperature": 0, "stream": True}
-        conn, response = open_stream(server, "/v1/completions", body)
-        events = read_events(response, 3)
-        started.wait()
-        events += read_events(response)
-        conn.close()
-        chunks = [json.loads(e) for e in events if e != "[DONE]"]
-        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-        reason = next(c["choices"][0]["finish_reason"] for c in reversed(chunks) if c["choices"])
-        results[i] = (text, reason)
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    started.wait(240)
-    if fault is not None:
-        fault()
-    for thread in threads:
-        thread.join(240)
-    return results
+    body = {"model": server.model_name, "max_tokens": MAX_TOKENS, "temperature": 0}
+    return streams_through_a_fault(server, [{**body, "prompt": p} for p in prompts], fault, 240)
 
 
 @pytest.fixture(scope="module")
