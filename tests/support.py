@@ -217,6 +217,20 @@ class EngineServer:
         return stop_server(self.proc, self._log, self.run_dir)
 
 
+def pids_with_command_line(*parts: bytes) -> list[int]:
+    """The processes whose command line (NUL-separated, as /proc shows it) holds every part."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if all(part in cmdline for part in parts):
+                pids.append(int(entry.name))
+    return pids
+
+
 def stop_server(proc: subprocess.Popen, log, run_dir: str) -> int:
     """SIGTERM `actorserve serve`, SIGKILL it if still running after 60 s; its exit code. Then
     close its log and remove its run directory."""

@@ -13,13 +13,12 @@ import os
 import re
 import signal
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from gateway_support import GatewayServer, call, streams_through_a_fault, wait_until
 
 from actorserve import Client
-from support import prompts_of_lengths, smallest_greedy_margin
+from support import pids_with_command_line, prompts_of_lengths, smallest_greedy_margin
 
 pytestmark = pytest.mark.slow
 FLAGS = (
@@ -102,16 +101,7 @@ def test_requests_sharing_a_long_prefix_land_on_one_replica(server, llama_dir):
 def replica_pids(name: str) -> list[int]:
     """The actor processes of the replica whose run directory or client address is `name`
     (their command line, the config's JSON, names both)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if name.encode() in cmdline and b"actorserve" in cmdline:
-                pids.append(int(entry.name))
-    return pids
+    return pids_with_command_line(name.encode(), b"actorserve")
 
 
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}

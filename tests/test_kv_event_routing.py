@@ -17,7 +17,6 @@ import re
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from gateway_support import GatewayServer, call, wait_until
@@ -25,7 +24,7 @@ from gateway_support import GatewayServer, call, wait_until
 from actorserve import Client
 from actorserve.gateway.replicas import choose_replica, prefix_key
 from actorserve.messages.common import SamplingParams
-from support import prompts_of_lengths
+from support import pids_with_command_line, prompts_of_lengths
 
 pytestmark = pytest.mark.slow
 BLOCK = 16
@@ -132,15 +131,7 @@ def test_the_index_follows_the_replicas_evictions(server, llama_dir):
 def block_manager_pid(address: str) -> int:
     """The BlockManager process of the replica at `address` (its config, on its command
     line, names the address)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if address.encode() in cmdline and b"block_manager.block_manager" in cmdline:
-                pids.append(int(entry.name))
+    pids = pids_with_command_line(address.encode(), b"block_manager.block_manager")
     assert len(pids) == 1, pids
     return pids[0]
 
