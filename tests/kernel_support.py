@@ -1,5 +1,6 @@
 """What the kernel tests share: batches of paged attention inputs (random caches, shuffled block
-tables), a naive per-token oracle, the tolerances of each dtype, and the `gpu` marker.
+tables), a naive per-token oracle, the tolerances of each dtype, the `gpu` marker, and the x86
+levels the CPU panel kernels are built for (MARCHES).
 
 Tolerances (max |kernel - reference| allowed, elementwise atol + rtol * |reference|):
     fp32: atol 2e-5, rtol 2e-5  (fp32 dots, "ieee" precision on GPU)
@@ -24,6 +25,28 @@ TOLERANCES = {
     torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
 }
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+# Each vector width the CPU panels are built for: the library built for this CPU (-march=native),
+# and where this CPU has AVX-512 also an AVX2 build (x86-64-v3), so both paths run here.
+MARCHES = [
+    "native",
+    pytest.param(
+        "x86-64-v3",
+        marks=pytest.mark.skipif(
+            not {"avx2", "fma", "avx512f"} <= cpu_flags(),
+            reason="no AVX2 to run, or no AVX-512 (native is the AVX2 build then)",
+        ),
+    ),
+]
 
 
 def gpu_test(fn):

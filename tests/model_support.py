@@ -120,6 +120,25 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return [1] + torch.randint(5, 32000, (length - 1,), generator=gen).tolist()
 
 
+def check_decode_stack_steps(model, fast, cache: PagedCache, num_seqs: int) -> None:
+    """Three steps of `num_seqs` decodes through the fast path's decode stack (one C call) give
+    the layer-by-layer path's hidden states and K/V writes, bit for bit. Contexts of 5-90+
+    tokens, prefilled first; runs on 2 threads (few rows: each kernel shares its work out; 16
+    or more a thread: each thread its own rows)."""
+    lengths = {f"s{i}": (5, 19, 37, 64, 90)[i % 5] + i for i in range(num_seqs)}
+    with torch_threads(2):
+        cache.step({seq: random_prompt(n, i) for i, (seq, n) in enumerate(lengths.items())})
+        for i in range(3):
+            args = cache.inputs({seq: [100 + i] for seq in lengths})
+            stacked = fast.forward(*args)
+            assert stacked is not None
+            written = [t.clone() for layer in cache.kv for t in layer]
+            layered = model(*args)  # writes the same slots again
+            assert torch.equal(stacked, layered)
+            rewritten = [t for layer in cache.kv for t in layer]
+            assert all(torch.equal(a, b) for a, b in zip(written, rewritten))
+
+
 def check_chunked_prefill_then_decode(
     hf, ours, config, device: str = "cpu", fast_path=None, decode_stack: bool = False
 ) -> None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from actorserve.actors.runtime.config import EngineConfig
+from actorserve.actors.runtime.config_resolution import resolve_model
 from actorserve.actors.worker import dtypes
 from actorserve.actors.worker.loader import load_model
 from actorserve.actors.worker.worker import build_runner
@@ -68,7 +69,7 @@ def test_kv_cache_dtype_is_validated():
 
 def _runner(kind: str, **settings):
     config = EngineConfig(model=str(ensure_checkpoint(kind)), num_kv_blocks=8, **settings)
-    return build_runner(config.resolve_model())
+    return build_runner(resolve_model(config))
 
 
 def _dtypes(runner) -> tuple[torch.dtype, torch.dtype]:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from actorserve.actors.runtime.config import EngineConfig
+from actorserve.actors.runtime.config_resolution import resolve_model
 from actorserve.actors.worker.sampler import first_maximum
 from actorserve.actors.worker.worker import build_runner
 from actorserve.kernels.cpu import bindings
@@ -43,7 +44,7 @@ def test_create_says_why_it_is_off(llama_dir, monkeypatch, caplog):
 
 def runner_for(llama_dir, **settings):
     config = EngineConfig(model=str(llama_dir), device="cpu", torch_threads=1, **settings)
-    config = msgspec.structs.replace(config.resolve_model(), num_kv_blocks=64, num_cpu_blocks=0)
+    config = msgspec.structs.replace(resolve_model(config), num_kv_blocks=64, num_cpu_blocks=0)
     return build_runner(config)
 
 

@@ -1,8 +1,11 @@
 """The int8 weight quantization (kernels/cpu/quantize.py) and the int8 panel product
 (kernels/cpu/csrc/cpu_panel_gemm_int8.c via panels.py): each element's round trip within half its
-row's scale; the product within fp32 summation-order error of the product with the dequantized
-weight, on each vector width this CPU can run (the library built for it, and an AVX2 build where
-it has wider vectors); an int8 PackedLinear serves every batch size from its panels alone."""
+row's scale; the widening tile's product within fp32 summation-order error of the product with
+the dequantized weight, and where the library multiplies int8 by int8 instead (AVX512-VNNI) the
+exact int8 sums of each quantized row, scaled (quantize.int8_dot_product; the cases of that path
+are tests/test_cpu_int8_dot.py's); on each vector width this CPU can run (the library built for
+it, and an AVX2 build where it has wider vectors, which widens); an int8 PackedLinear serves
+every batch size from its panels alone."""
 
 from __future__ import annotations
 
@@ -13,31 +16,10 @@ from torch import nn
 
 from actorserve.kernels.cpu import bindings, panel_bindings
 from actorserve.kernels.cpu.panels import PANEL_ROWS, PackedLinear, PanelLinear
-from actorserve.kernels.cpu.quantize import dequantize_int8, quantize_int8
+from actorserve.kernels.cpu.quantize import dequantize_int8, int8_dot_product, quantize_int8
+from kernel_support import MARCHES, cpu_flags
 
 U = 2.0**-24  # fp32's unit roundoff
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
-# Each vector width the panels are built for: the library built for this CPU (-march=native), and
-# where this CPU has AVX-512 also an AVX2 build (x86-64-v3), so both paths run here.
-MARCHES = [
-    "native",
-    pytest.param(
-        "x86-64-v3",
-        marks=pytest.mark.skipif(
-            not {"avx2", "fma", "avx512f"} <= cpu_flags(),
-            reason="no AVX2 to run, or no AVX-512 (native is the AVX2 build then)",
-        ),
-    ),
-]
 
 
 @pytest.fixture(scope="module", params=MARCHES)
@@ -76,6 +58,16 @@ def product(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
     return panel_bindings.panel_linear_int8(lib, x, panels, len(q))
 
 
+def assert_the_tiles_product(lib, out: torch.Tensor, x, q, scale) -> None:
+    """out is x @ (q * scale).T as the library's tile defines it: the exact int8 sums of the
+    quantized rows, scaled, to the bit (int8 x int8), or within fp32 summation-order error of
+    the exact product with the dequantized weight (widening)."""
+    if lib.panel_int8_dot():
+        assert torch.equal(out, int8_dot_product(x, q, scale))
+    else:
+        assert ((out.double() - exact(x, q, scale)).abs() <= 2 * sum_order_bound(x, q, scale)).all()
+
+
 def test_each_element_rounds_to_within_half_its_rows_scale():
     torch.manual_seed(0)
     w = torch.randn(300, 77) * torch.logspace(-6, 3, 300)[:, None]
@@ -107,23 +99,28 @@ def test_quantizing_a_bf16_weight_quantizes_its_values():
      (17, 100, 200), (64, 2816, 1024), (PANEL_ROWS, 129, 77), (PANEL_ROWS + 5, 31, 130),
      (300, 96, 145)],
 )  # fmt: skip
-def test_int8_product_is_the_dequantized_product_up_to_fp32_summation_order(lib, m, k, n):
+def test_int8_product_is_what_its_tile_defines(lib, m, k, n):
+    """The widening tile: the dequantized product up to fp32 summation order (and so within
+    twice that of torch's fp32 product); int8 x int8: the quantized rows' exact sums, scaled."""
     q, scale = quantized(n, k, seed=m * k + n)
     x = torch.randn(m, k)
     out = product(lib, x, q, scale)
     assert out.dtype == torch.float32 and out.shape == (m, n)
-    ref, bound = exact(x, q, scale), sum_order_bound(x, q, scale)
-    assert ((out.double() - ref).abs() <= 2 * bound).all()
-    torch_fp32 = F.linear(x, dequantize_int8(q, scale))  # itself within the bound of `ref`
-    assert ((out.double() - torch_fp32.double()).abs() <= 4 * bound).all()
+    assert_the_tiles_product(lib, out, x, q, scale)
+    if not lib.panel_int8_dot():
+        torch_fp32 = F.linear(x, dequantize_int8(q, scale))  # itself within the bound of `ref`
+        bound = sum_order_bound(x, q, scale)
+        assert ((out.double() - torch_fp32.double()).abs() <= 4 * bound).all()
 
 
 def test_int8_product_is_exact_where_every_sum_is(lib):
-    """Small integers times power-of-two scales: every sum and product exact, in any order."""
+    """Integers times power-of-two scales: every sum and product exact, in any order; each row
+    of x reaches 127, so its int8 quantization (scale 1) is itself, and both tiles are exact."""
     torch.manual_seed(3)
     q = torch.randint(-127, 128, (61, 45), dtype=torch.int8)
     scale = 2.0 ** torch.randint(-8, 3, (61,)).float()
-    x = torch.randint(-9, 10, (13, 45)).float()
+    x = torch.randint(-127, 128, (13, 45)).float()
+    x[torch.arange(13), torch.randint(0, 45, (13,))] = 127.0
     assert torch.equal(product(lib, x, q, scale).double(), exact(x, q, scale))
 
 
@@ -172,5 +169,5 @@ def test_an_int8_packed_linear_serves_every_batch_from_its_panels_alone(rows):
     x = torch.randn(rows, 96)
     out = packed(x)
     assert out.shape == (rows, 80) and out.dtype == torch.float32
-    assert ((out.double() - exact(x, q, scale)).abs() <= 2 * sum_order_bound(x, q, scale)).all()
+    assert_the_tiles_product(packed.panel._lib, out, x, q, scale)
     assert torch.equal(packed(x.view(1, rows, 96))[0], out)  # leading dims are rows too

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import sys
 from pathlib import Path
 
@@ -24,6 +26,17 @@ def smaps_kib(address: int, field: str = "AnonHugePages:") -> int:
         elif inside and head == field:
             return int(line.split()[1])
     return 0
+
+
+def resident_mib(address: int, length: int) -> float:
+    """MiB of [address, address + length) in memory now (mincore, page by page)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    start = address // mmap.PAGESIZE * mmap.PAGESIZE
+    pages = -(-(address + length - start) // mmap.PAGESIZE)
+    vector = ctypes.create_string_buffer(pages)
+    assert libc.mincore(start, pages * mmap.PAGESIZE, vector) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in vector.raw) * mmap.PAGESIZE / (1 << 20)
 
 
 def test_zeros_are_zeros_of_the_asked_shape_and_type():
@@ -60,3 +73,20 @@ def test_a_tensor_not_asked_huge_is_not_advised(monkeypatch):
     monkeypatch.setattr(huge_pages, "_madvise", lambda: pytest.fail("advised"))
     tensor = huge_pages.zeros((16 << 20,), torch.float32, huge=False)
     assert not tensor.any()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_populate_faults_pages_in_without_changing_a_byte():
+    """What the Worker runs while idle on a KV cache in use: the range becomes resident, the
+    values written before stay, the rest stays zero."""
+    tensor = huge_pages.zeros((64, 1 << 20), torch.bfloat16)  # 128 MiB, 2 MiB a row
+    tensor[3].fill_(2.0)
+    if not huge_pages.populate(tensor, 0, 32 << 20):  # the first 16 rows
+        pytest.skip("the kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    base = tensor.data_ptr()
+    assert resident_mib(base, 32 << 20) == 32
+    assert resident_mib(base + (34 << 20), 94 << 20) == 0  # what was not asked (a page's slack)
+    assert (tensor[3] == 2.0).all() and not tensor[:3].any() and not tensor[4:].any()
+    assert huge_pages.populate(tensor, 0, 1 << 40)  # clipped to the tensor
+    assert resident_mib(base, 128 << 20) == 128
+    assert huge_pages.populate(tensor, 1 << 40, 2 << 40)  # past its end: nothing to do

@@ -152,6 +152,13 @@ KINDS: dict[str, CheckpointSpec] = {
         hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
         num_attention_heads=16, num_key_value_heads=8, head_dim=64, dtype="bfloat16",
     ),
+    "qwen3-350m": _spec(
+        "qwen3", 12, "Qwen3's shape (q/k norm, head_dim 128, tied) at ~350M params, the "
+        "benchmark vocab, bf16 on disk (benchmarks)",
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=20, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0, tie_word_embeddings=True,
+        logit_std=4.0, residual_gain=3.0, dtype="bfloat16",
+    ),
     "qwen3-0.6b-shape": _spec(
         "qwen3", 11, "Qwen3-0.6B's shape (28 layers, vocab 151936, tied), bf16 on disk (GPU check)",
         hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,

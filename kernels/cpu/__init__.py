@@ -12,6 +12,7 @@ The runner and the Worker use one interface, fast_path.CpuFastPath. Behind it:
     elementwise.py      RMSNorm, RoPE, SiLU-and-multiply in C (ElementwiseOps)
     panels.py           weights packed in panels: PanelLinear, PackedLinear, GreedyHead
     quantize.py         int8 weights with a scale per output channel (quantization int8)
+    bf16_weight_rule.py whether bf16-weight panels (quantization bf16) beat fp32 ones here, timed
     lm_head.py          the LM head's copies: the greedy head and its screens, oneDNN's packed one
     screened_head.py    greedy tokens behind a bf16 screen, exact
     screened_head_int8.py  the same behind an AMX int8 screen

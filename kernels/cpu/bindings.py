@@ -61,22 +61,30 @@ def load(march: str = "native") -> ctypes.CDLL | None:
     lib.panel_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr]
     lib.greedy_head_bf16.restype = ctypes.c_int
     lib.greedy_head_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
-    for width in (lib.panel_width_bf16, lib.panel_bf16_native, lib.panel_width_int8):
+    for width in (
+        lib.panel_width_bf16, lib.panel_bf16_native, lib.panel_width_int8,
+        lib.panel_width_bf16_weights, lib.panel_int8_dot, lib.panel_max_k_int8,
+    ):  # fmt: skip
         width.restype = i64
         width.argtypes = []
-    lib.panel_bytes_int8.restype = i64
-    lib.panel_bytes_int8.argtypes = [i64]
-    lib.panel_linear_int8.restype = ctypes.c_int
-    lib.panel_linear_int8.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
-    lib.rms_norm.restype = None
-    lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
+    for size in (lib.panel_bytes_int8, lib.panel_bytes_bf16_weights):
+        size.restype = i64
+        size.argtypes = [i64]
+    for narrow in (lib.panel_linear_int8, lib.panel_linear_bf16_weights):
+        narrow.restype = ctypes.c_int
+        narrow.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
+    for rms_norm in (lib.rms_norm, lib.rms_norm_bf16):
+        rms_norm.restype = None
+        rms_norm.argtypes = [ptr, i64, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]
     for store in (lib.store_kv, lib.store_kv_bf16):
         store.restype = ctypes.c_int
         store.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
-    lib.silu_mul.restype = None
-    lib.silu_mul.argtypes = [ptr, i64, i64, ptr]
-    lib.rope.restype = None
-    lib.rope.argtypes = [ptr] + [i64] * 5 + [ptr, ptr, ptr]
+    for silu_mul in (lib.silu_mul, lib.silu_mul_bf16):
+        silu_mul.restype = None
+        silu_mul.argtypes = [ptr, i64, i64, ptr]
+    for rope in (lib.rope, lib.rope_bf16):
+        rope.restype = None
+        rope.argtypes = [ptr] + [i64] * 5 + [ptr, ptr, ptr]
     lib.decode_stack.restype = ctypes.c_int
     lib.decode_stack.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
     lib.decode_inputs.restype = i64
@@ -84,11 +92,16 @@ def load(march: str = "native") -> ctypes.CDLL | None:
     return lib
 
 
-def library_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The C library when every tensor is an fp32 CPU matrix with contiguous rows, else None."""
+def library_for(
+    *tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+) -> ctypes.CDLL | None:
+    """The C library when every tensor is a CPU matrix with contiguous rows, all of one dtype
+    among `dtypes` (the elementwise kernels take fp32 or bf16), else None."""
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 2 or t.stride(-1) != 1:
+        if t.device.type != "cpu" or t.dtype not in dtypes or t.dim() != 2 or t.stride(-1) != 1:
             return None
+    if any(t.dtype != tensors[0].dtype for t in tensors):
+        return None
     return load()
 
 
@@ -221,11 +234,13 @@ def rms_norm(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [N, D] fp32 (rows may be strided), residual [N, D] contiguous or None, weight [D] ->
-    (weight * normalized s, s) with s = x + residual, or (weight * normalized x, None)."""
+    (weight * normalized s, s) with s = x + residual, or (weight * normalized x, None). Or all
+    three bf16 (contiguous weight): rounded as torch rounds them (cpu_elementwise_bf16.c)."""
     rows, dim = x.shape
     out = torch.empty((rows, dim), dtype=x.dtype)
     summed = None if residual is None else torch.empty((rows, dim), dtype=x.dtype)
-    lib.rms_norm(
+    function = lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm
+    function(
         x.data_ptr(),
         x.stride(0),
         None if residual is None else residual.data_ptr(),
@@ -240,19 +255,23 @@ def rms_norm(
 
 
 def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [N, 2I] fp32 contiguous (rows: gate, then up) -> silu(gate) * up [N, I]."""
+    """gate_up [N, 2I] fp32 or bf16 contiguous (rows: gate, then up) -> silu(gate) * up [N, I]
+    in its dtype."""
     rows, width = gate_up.shape
     out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
-    lib.silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
+    function = lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul
+    function(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
     return out
 
 
 def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] fp32 (D contiguous, tokens and heads at any stride), cos and sin [T, D]
-    contiguous -> the rotated x [T, H, D], contiguous (see cpu_elementwise.c)."""
+    """x [T, H, D] fp32 (D even and contiguous, tokens and heads at any stride), cos and sin
+    [T, D] contiguous -> the rotated x [T, H, D], contiguous (see cpu_elementwise.c). Or all
+    three bf16 (cpu_elementwise_bf16.c)."""
     tokens, heads, dim = x.shape
     out = torch.empty((tokens, heads, dim), dtype=x.dtype)
-    lib.rope(
+    function = lib.rope_bf16 if x.dtype == torch.bfloat16 else lib.rope
+    function(
         x.data_ptr(),
         x.stride(0),
         x.stride(1),

@@ -17,8 +17,13 @@ cache: bf16 products, online softmax), cpu_store_kv.c (writing a step's K/V into
 cpu_argmax.c (greedy sampling's argmax), cpu_panel_gemm.c and cpu_panel_gemm_bf16.c (decode-sized
 products against fp32 or bf16 weights packed in panels: the projections, and the LM head with
 that argmax fused; their shared loop in cpu_panel.h and cpu_panel_loop.h), cpu_panel_gemm_int8.c
-(the same loop over int8 weights with fp32 scales: `quantization int8`), cpu_elementwise.c
-(RMSNorm with its residual add, SiLU-and-multiply, RoPE), cpu_decode_stack.c (a whole decode step
+(the same loop over int8 weights with fp32 scales: `quantization int8`; int8 x int8 products in
+cpu_panel_int8_dot.h where the build targets AVX512-VNNI, so only the native build on such a CPU
+has them and the x86-64-v3 build widens the weights as every other CPU does),
+cpu_panel_gemm_bf16_weights.c (over bf16 weights with fp32 rows: `quantization bf16`; the tile it
+shares with the int8 one in cpu_panel_widen.h), cpu_elementwise.c
+(RMSNorm with its residual add, SiLU-and-multiply, RoPE) and cpu_elementwise_bf16.c (the same
+for bf16 tensors, rounding where torch does), cpu_decode_stack.c (a whole decode step
 through those kernels in one call), cpu_step_inputs.c (a decode step's flat inputs), cpu_screen.c
 and cpu_screen_int8.c (greedy tokens behind a bf16 or an AMX int8 screen); cpu_vec.h and
 cpu_kernels.h are shared.
@@ -50,7 +55,9 @@ SOURCES = tuple(
         "cpu_panel_gemm.c",
         "cpu_panel_gemm_bf16.c",
         "cpu_panel_gemm_int8.c",
+        "cpu_panel_gemm_bf16_weights.c",
         "cpu_elementwise.c",
+        "cpu_elementwise_bf16.c",
         "cpu_store_kv.c",
         "cpu_decode_stack.c",
         "cpu_step_inputs.c",
@@ -60,8 +67,11 @@ SOURCES = tuple(
 )
 HEADERS = tuple(
     CSRC / name
-    for name in ("cpu_vec.h", "cpu_kernels.h", "cpu_attention.h", "cpu_panel.h", "cpu_panel_loop.h")
-)
+    for name in (
+        "cpu_vec.h", "cpu_kernels.h", "cpu_attention.h", "cpu_panel.h", "cpu_panel_loop.h",
+        "cpu_panel_widen.h", "cpu_panel_int8_dot.h",
+    )
+)  # fmt: skip
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm")
 CACHE_ENV = "ACTORSERVE_KERNEL_CACHE"
 KEPT_BUILDS = 4

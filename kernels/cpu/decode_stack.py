@@ -7,7 +7,8 @@ order, so the hidden states are the same to the bit. A bf16 model (bf16 embeddin
 and KV caches) keeps fp32 activations inside the step, rounding each projection's input and the
 new K/V to bf16: close to its layer-by-layer steps, not the same bits. An fp32 model whose
 projections are int8 panels (quantization int8) runs the int8 kernel in their place, the same
-kernel its layers call: the same bits again.
+kernel its layers call: the same bits again; so does one whose projections keep bf16 weights
+(quantization bf16: bf16-weight panels, fp32 rows), through their kernel.
 
 What it saves is the Python between the kernels: a decode step streams the KV cache and the
 weights through the caches, and each of the dozens of calls of the layer-by-layer path then runs
@@ -24,36 +25,12 @@ import torch
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        (name, _ptr)
-        for name in (
-            "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "k_cache", "v_cache"
-        )
-    ]  # fmt: skip
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        *((name, _i64) for name in (
-            "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
-            "num_blocks", "block_size", "max_position", "vocab", "bf16", "int8",
-        )),
-        ("eps", _f32),
-        ("scale", _f32),
-        ("embed", _ptr),
-        ("cos", _ptr),
-        ("sin", _ptr),
-        ("final_norm", _ptr),
-        ("layers", ctypes.POINTER(_Layer)),
-    ]  # fmt: skip
-
-
 class StackLayer(NamedTuple):
     """One decoder layer's tensors: norm weights [hidden] fp32, projections as packed panels
-    (panel_bindings.pack_panels, pack_panels_bf16 for a bf16 model, or pack_panels_int8 for an fp32
-    one quantized: qkv rows q, k, v heads; gate_up rows gate, up), its KV cache (bf16 for a
-    bf16 model)."""
+    (panel_bindings.pack_panels, pack_panels_bf16 for a bf16 model, or pack_panels_int8 or
+    pack_panels_bf16_weights for an fp32 one quantized: qkv rows q, k, v heads; gate_up rows
+    gate, up), its KV cache (bf16 for a bf16 model), and the per-head q/k norm weights [D] fp32
+    of a layer that has them (Qwen3), else None."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -63,6 +40,28 @@ class StackLayer(NamedTuple):
     down: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+class _Layer(ctypes.Structure):  # cpu_decode_stack.c's stack_layer: StackLayer's pointers
+    _fields_ = [(name, _ptr) for name in StackLayer._fields]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *((name, _i64) for name in (
+            "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
+            "num_blocks", "block_size", "max_position", "vocab", "bf16", "int8", "bf16_weights",
+        )),
+        ("eps", _f32),
+        ("scale", _f32),
+        ("embed", _ptr),
+        ("cos", _ptr),
+        ("sin", _ptr),
+        ("final_norm", _ptr),
+        ("layers", ctypes.POINTER(_Layer)),
+    ]  # fmt: skip
 
 
 class StackShape(NamedTuple):
@@ -95,16 +94,23 @@ class DecodeStack:
         final_norm: torch.Tensor,
         layers: list[StackLayer],
     ):
-        """embed [vocab, hidden] fp32 (with fp32 or int8 panels, fp32 caches) or bf16 (with
-        bf16 panels and caches); rope tables and norm weights fp32; all contiguous (else
-        ValueError)."""
-        tensors = [embed, *rope_tables, final_norm, *(t for layer in layers for t in layer)]
+        """embed [vocab, hidden] fp32 (with fp32, int8 or bf16-weight panels, fp32 caches) or
+        bf16 (with bf16 panels and caches); rope tables and norm weights fp32; all contiguous
+        (else ValueError)."""
+        tensors = [embed, *rope_tables, final_norm]
+        tensors += [t for layer in layers for t in layer if t is not None]
         bf16 = embed.dtype == torch.bfloat16
         int8 = not bf16 and layers[0].qkv.dtype == torch.int8
-        weights = (torch.int32 if bf16 else torch.int8 if int8 else torch.float32,) * 4
+        bf16_weights = not bf16 and layers[0].qkv.dtype == torch.bfloat16
+        panels = torch.int8 if int8 else torch.bfloat16 if bf16_weights else torch.float32
+        weights = (torch.int32 if bf16 else panels,) * 4
         caches = (torch.bfloat16 if bf16 else torch.float32,) * 2
         expected = [embed.dtype] + [torch.float32] * 3
-        expected += [d for _ in layers for d in (torch.float32,) * 2 + weights + caches]
+        for layer in layers:
+            if (layer.q_norm is None) != (layer.k_norm is None):
+                raise ValueError("the decode stack takes a layer's q and k norms together")
+            norms = (torch.float32,) * (0 if layer.q_norm is None else 2)
+            expected += [torch.float32] * 2 + [*weights, *caches, *norms]
         if embed.dtype not in (torch.float32, torch.bfloat16) or not all(
             t.dtype == d and t.is_contiguous() for t, d in zip(tensors, expected, strict=True)
         ):
@@ -113,15 +119,15 @@ class DecodeStack:
         self._lib = lib
         self._tensors = tensors  # keeps what the structs point at alive
         self._layers = (_Layer * len(layers))(
-            *(_Layer(*(t.data_ptr() for t in layer)) for layer in layers)
+            *(_Layer(*(None if t is None else t.data_ptr() for t in layer)) for layer in layers)
         )
         k_cache = layers[0].k_cache
         self._model = _Model(
             len(layers), shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim,
             shape.intermediate, k_cache.shape[0], k_cache.shape[1], rope_tables[0].shape[0],
-            embed.shape[0], int(bf16), int(int8), shape.eps, shape.scale, embed.data_ptr(),
-            rope_tables[0].data_ptr(),
-            rope_tables[1].data_ptr(), final_norm.data_ptr(), self._layers,
+            embed.shape[0], int(bf16), int(int8), int(bf16_weights), shape.eps, shape.scale,
+            embed.data_ptr(), rope_tables[0].data_ptr(), rope_tables[1].data_ptr(),
+            final_norm.data_ptr(), self._layers,
         )  # fmt: skip
         self._hidden = shape.hidden
 

@@ -8,7 +8,9 @@ bias, its Linear replaced by a PackedLinear with the weight also in panels (pane
 of the LM head (lm_head.py); the decode stack over the KV caches (decode_stack.py). With
 `quantization` int8 (an fp32 model) each bias-free projection is quantized as it is packed and
 its panels are then its only copy (quantize.py); the embedding, the norms and the LM head stay
-fp32, and the decode stack runs over the int8 panels. Its elementwise ops
+fp32, and the decode stack runs over the int8 panels. With `quantization` bf16 (an fp32 model,
+typically a bf16 checkpoint upcast on a CPU without bf16 arithmetic) the same holds with the
+weights in bf16-weight panels instead: half the bytes, fp32 arithmetic. Its elementwise ops
 (`elementwise`) are given to the model when it is built, and its attention is the `cpu` backend
 (kernels.attention_ops). A bf16 model, where the CPU multiplies bf16 natively (capability.py,
 or `native_bf16` given), gets its projections packed in bf16 panels and an exact bf16 greedy
@@ -54,12 +56,13 @@ class CpuFastPath:
     ) -> None:
         """native_bf16: whether bf16 weights get the bf16 kernels (None: where the CPU has bf16
         products, capability.cpu_has_bf16). quantization: EngineConfig.quantization (int8: an
-        fp32 model's projections in int8 panels)."""
+        fp32 model's projections in int8 panels; bf16: in bf16-weight panels)."""
         self.lib = lib
         self.screen = screen
         self.huge = huge
         self.native_bf16 = cpu_has_bf16() if native_bf16 is None else native_bf16
         self.int8 = quantization == "int8"
+        self.bf16_weights = quantization == "bf16"
         self.elementwise: ElementwiseOps = C_ELEMENTWISE
         self._model: nn.Module | None = None
         self._greedy_head = None  # GreedyHead | ScreenedHead, see lm_head.greedy_head
@@ -97,8 +100,9 @@ class CpuFastPath:
         decode stack over `kv_caches` where it serves (None: no decode stack). A bf16 model gets
         bf16 panels, a bf16 greedy head and, over a bf16 KV cache, the decode stack where
         native_bf16 (else its weights stay as loaded and its steps run through the model, plain
-        torch); an fp32 model over a bf16 KV cache gets no decode stack. With int8 quantization
-        an fp32 model's bias-free projections keep only their int8 panels."""
+        torch); an fp32 model over a bf16 KV cache gets no decode stack. With int8 (bf16)
+        quantization an fp32 model's bias-free projections keep only their int8 (bf16-weight)
+        panels."""
         self._model = model
         self._pack_projections(model)  # before the copies below: int8 panels replace weights
         for module in model.modules():
@@ -116,7 +120,8 @@ class CpuFastPath:
 
     def _pack_projections(self, model: nn.Module) -> None:
         """Each decoder layer's bias-free Linear -> a PackedLinear sharing its weight, or over
-        int8 panels (quantization int8, an fp32 weight) holding the weight alone."""
+        int8 or bf16-weight panels (quantization int8 or bf16, an fp32 weight) holding the
+        weight alone."""
         quantized = kept = 0
         for layer in model.model.layers:
             for parent in (layer.self_attn, layer.mlp):
@@ -124,21 +129,32 @@ class CpuFastPath:
                     if type(child) is not nn.Linear or child.bias is not None:
                         kept += type(child) is nn.Linear
                         continue
-                    int8 = self.int8 and child.weight.dtype == torch.float32
-                    panel = PanelLinear.for_weight(child.weight, self.huge, self.native_bf16, int8)
+                    fp32 = child.weight.dtype == torch.float32
+                    int8, bf16_weights = self.int8 and fp32, self.bf16_weights and fp32
+                    panel = PanelLinear.for_weight(
+                        child.weight, self.huge, self.native_bf16, int8, bf16_weights
+                    )
                     if panel is not None:
                         setattr(parent, name, PackedLinear(child, panel))
-                        quantized += int8
-        if self.int8:
+                        quantized += int8 or bf16_weights
+        if self.int8 or self.bf16_weights:
+            kind = "int8" if self.int8 else "bf16"
             log.info(
-                "quantization int8: %d projections in int8 panels, %d with a bias kept as "
-                "loaded", quantized, kept,
+                "quantization %s: %d projections in %s panels, %d with a bias kept as loaded%s",
+                kind, quantized, "int8" if self.int8 else "bf16-weight", kept,
+                self._int8_products() if self.int8 else "",
             )  # fmt: skip
+
+    def _int8_products(self) -> str:
+        """How the int8 panels multiply on this CPU (csrc/cpu_panel_gemm_int8.c)."""
+        if self.lib.panel_int8_dot():
+            return "; int8 x int8 products (AVX512-VNNI), each row quantized per projection"
+        return "; int8 weights widened to fp32 products (no AVX512-VNNI)"
 
     def _pack_decode_stack(self, model: nn.Module, kv_caches) -> bool:
         """Let decode steps run the whole decoder in one C call, over these KV caches: only
         where the layers' kernels are the ones the stack runs (the `cpu` attention backend, this
-        path's elementwise ops, every projection packed, no q/k norm), so an fp32 model's
+        path's elementwise ops, every projection packed), so an fp32 model's
         hidden states are theirs to the bit (a bf16 model's within bf16 rounding: fp32 inside
         the step). Returns whether it serves."""
         attentions = [layer.self_attn for layer in model.model.layers]
@@ -150,7 +166,7 @@ class CpuFastPath:
         ]
         if (
             model.elementwise is not self.elementwise
-            or any(a.ops.name != "cpu" or a.q_norm is not None for a in attentions)
+            or any(a.ops.name != "cpu" for a in attentions)
             or any(not isinstance(p, PackedLinear) for p in projections)
         ):
             return False
@@ -168,6 +184,7 @@ class CpuFastPath:
                 layer.mlp.gate_up_proj.panel.panels,
                 layer.mlp.down_proj.panel.panels,
                 *kv_cache,
+                *_qk_norms(layer.self_attn),
             )
             for layer, kv_cache in zip(model.model.layers, kv_caches, strict=True)
         ]
@@ -236,3 +253,10 @@ class CpuFastPath:
     def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         """[N, V] -> [N] int64, the first maximum of each row (attention.argmax_rows: in C)."""
         return argmax_rows(logits)
+
+
+def _qk_norms(attention: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """An attention layer's per-head q/k norm weights in fp32 (Qwen3), or (None, None)."""
+    if attention.q_norm is None:
+        return None, None
+    return attention.q_norm.weight.data.float(), attention.k_norm.weight.data.float()

@@ -1,6 +1,7 @@
 """The panel products' wrappers (csrc/cpu_panel_gemm*.c, their ctypes signatures in
-bindings.load): a weight packed into each kind of panels (fp32, bf16 pairs, int8 with scales), and
-the products and the fused greedy head over them. panels.py holds the packed weights.
+bindings.load): a weight packed into each kind of panels (fp32, bf16 pairs, int8 with scales,
+bf16 rows for fp32 arithmetic), and the products and the fused greedy head over them. panels.py
+holds the packed weights.
 """
 
 from __future__ import annotations
@@ -43,26 +44,64 @@ def pack_panels_int8(
     lib: ctypes.CDLL, weight: torch.Tensor, scale: torch.Tensor, huge: bool = True
 ) -> torch.Tensor:
     """An int8 weight [N, K] (any layout) and its scales [N] fp32 -> the panels
-    cpu_panel_gemm_int8.c reads, int8 [ceil(N / NR), panel_bytes_int8(K)]: panel p holds the
-    scales of columns p * NR .. p * NR + NR - 1 as fp32, then K rows of NR int8, element (i, j)
-    = weight[p * NR + j, i]; zero past N and after the last row (NR: the library's int8
-    width); on huge pages where `huge`."""
+    cpu_panel_gemm_int8.c reads, int8 [ceil(N / NR), panel_bytes_int8(K)], zero past N and
+    after the last row (NR: the library's int8 width); on huge pages where `huge`. Panel p
+    holds the scales of columns p * NR .. p * NR + NR - 1 as fp32, then
+    - for the widening tile: K rows of NR int8, element (i, j) = weight[p * NR + j, i];
+    - for the int8 x int8 tile (lib.panel_int8_dot(), csrc/cpu_panel_int8_dot.h): the columns'
+      corrections 128 * sum_i weight[p * NR + j, i] as int32, then ceil(K / 4) groups of NR x 4
+      int8, group g's (j, b) = weight[p * NR + j, 4g + b] (zero past K).
+    ValueError for K past lib.panel_max_k_int8()."""
     width = lib.panel_width_int8()
     rows, cols = weight.shape
+    if cols > lib.panel_max_k_int8():
+        raise ValueError(f"int8 panels take at most {lib.panel_max_k_int8()} columns, not {cols}")
     count = -(-rows // width)
-    padded = torch.zeros(count * width, cols, dtype=torch.int8)
-    padded[:rows] = weight
+    dot = bool(lib.panel_int8_dot())
+    depth = -(-cols // 4) * 4 if dot else cols
+    padded = torch.zeros(count * width, depth, dtype=torch.int8)
+    padded[:rows, :cols] = weight
     scales = torch.zeros(count * width, dtype=torch.float32)
     scales[:rows] = scale
     panels = huge_pages.zeros((count, lib.panel_bytes_int8(cols)), torch.int8, huge)
     panels[:, : 4 * width].view(torch.float32).copy_(scales.view(count, width))
-    body = panels[:, 4 * width : 4 * width + cols * width].view(count, cols, width)
+    if not dot:
+        body = panels[:, 4 * width : 4 * width + cols * width].view(count, cols, width)
+        body.copy_(padded.view(count, width, cols).transpose(1, 2))
+        return panels
+    corrections = padded.to(torch.int32).sum(dim=1) * 128
+    panels[:, 4 * width : 8 * width].view(torch.int32).copy_(corrections.view(count, width))
+    groups = depth // 4
+    body = panels[:, 8 * width : 8 * width + depth * width].view(count, groups, width, 4)
+    body.copy_(padded.view(count, width, groups, 4).transpose(1, 2))
+    return panels
+
+
+def pack_panels_bf16_weights(
+    lib: ctypes.CDLL, weight: torch.Tensor, huge: bool = True
+) -> torch.Tensor:
+    """A weight [N, K] (any layout; fp32 is rounded to bf16, nearest even) -> the panels
+    cpu_panel_gemm_bf16_weights.c reads, bf16 [ceil(N / NR), panel_bytes_bf16_weights(K) / 2]:
+    panel p holds K rows of NR bf16, element (i, j) = weight[p * NR + j, i]; zero past N and
+    after the last row (NR: the library's width for them); on huge pages where `huge`."""
+    width = lib.panel_width_bf16_weights()
+    rows, cols = weight.shape
+    count = -(-rows // width)
+    padded = torch.zeros(count * width, cols, dtype=torch.bfloat16)
+    padded[:rows] = weight
+    panels = huge_pages.zeros(
+        (count, lib.panel_bytes_bf16_weights(cols) // 2), torch.bfloat16, huge
+    )
+    body = panels[:, : cols * width].view(count, cols, width)
     body.copy_(padded.view(count, width, cols).transpose(1, 2))
     return panels
 
 
 def _check(kernel, status: int) -> None:
-    """The panel kernels return non-zero only when their scratch buffer's malloc failed."""
+    """The panel kernels return -1 when their scratch buffer's malloc failed; the int8 one -2
+    for a k past panel_max_k_int8 (pack_panels_int8 refuses such a weight first)."""
+    if status == -2:
+        raise ValueError(f"{kernel.__name__}: k past the int8 panels' limit")
     if status != 0:
         raise MemoryError(f"{kernel.__name__} could not allocate its buffer")
 
@@ -83,8 +122,20 @@ def panel_linear_int8(
 ) -> torch.Tensor:
     """x [M, K] fp32 (rows may be strided, columns contiguous), panels from pack_panels_int8 of
     an int8 weight [n, K] and its scales -> (x @ weight.T) * scale [M, n] fp32 (see
-    cpu_panel_gemm_int8.c)."""
+    cpu_panel_gemm_int8.c): where lib.panel_int8_dot(), each row of x quantized to int8 first
+    and the int8 products summed exactly (reference.int8_dot_product), else within fp32
+    summation-order error of the product with the dequantized weight."""
     return _fp32_product(lib.panel_linear_int8, x, panels, n)
+
+
+def panel_linear_bf16_weights(
+    lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int
+) -> torch.Tensor:
+    """x [M, K] fp32 (rows may be strided, columns contiguous), panels from
+    pack_panels_bf16_weights of a weight [n, K] -> x @ weight.T [M, n] fp32, the weight widened
+    to fp32: panel_linear's result with that fp32 weight, to the bit (see
+    cpu_panel_gemm_bf16_weights.c)."""
+    return _fp32_product(lib.panel_linear_bf16_weights, x, panels, n)
 
 
 def panel_linear_bf16(

@@ -29,3 +29,26 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(q [N, K] int8, scale [N] fp32) -> the weight they stand for, [N, K] fp32."""
     return q.float() * scale[:, None]
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of activations x [M, K] fp32 -> (q [M, K] int8, scale [M] fp32), as the int8 x int8
+    panels quantize them (csrc/cpu_panel_int8_dot.h): scale = max |x| / 127 in fp32 (1 for a row
+    of zeros; NaN for one with an inf or a NaN, whose products are then NaN, not rounded into
+    finite ones), q = x / scale in fp32 rounded to nearest even, clamped to [-127, 127] (what q
+    is for a NaN scale does not matter)."""
+    largest = x.abs().amax(dim=1)
+    scale = torch.where(largest > 0, largest / INT8_MAX, torch.ones_like(largest))
+    scale = torch.where(x.isfinite().all(dim=1), scale, torch.nan)
+    q = torch.round(x / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).nan_to_num_(0.0)
+    return q.to(torch.int8), scale
+
+
+def int8_dot_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What the int8 x int8 panels compute for rows x [M, K] fp32 and a weight (q [N, K] int8,
+    scale [N]): each row quantized (quantize_rows_int8), the exact integer sums of the products
+    (in float64, exact: every sum is below 2^53), rounded to fp32, times the fp32 product of the
+    row's and the column's scales -> [M, N] fp32."""
+    xq, x_scale = quantize_rows_int8(x)
+    sums = (xq.double() @ q.double().T).float()
+    return sums * (x_scale[:, None] * scale[None, :])

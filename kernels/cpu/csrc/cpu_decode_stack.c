@@ -7,17 +7,20 @@
  * for panel_linear_bf16 (fp32 out), the new K/V rounded to bf16 into the cache, attention over
  * the bf16 cache in fp32 -- close to the model's own bf16 steps, not the same bits. An fp32 model
  * quantized to int8 (`int8`: panels from pack_panels_int8) goes through panel_linear_int8 where
- * the fp32 one calls panel_linear, the rest unchanged: the same bits as its layer-by-layer steps.
+ * the fp32 one calls panel_linear, the rest unchanged: the same bits as its layer-by-layer steps;
+ * so does one whose projections keep bf16 weights (`bf16_weights`: quantization bf16, panels from
+ * pack_panels_bf16_weights) through panel_linear_bf16_weights.
  *
  * Why: a decode step streams the KV cache and the weights through the caches (tens of MB), and
  * each of the dozens of Python calls between the kernels then runs on a cold interpreter, several
  * times slower than on a warm one. Here there is none.
  *
  * Serves steps whose every sequence computes one token (T tokens = T sequences), with panels for
- * every projection (no biases) and no q/k norm; the caller checks (kernels/cpu/fast_path.py).
+ * every projection (no biases); the caller checks (kernels/cpu/fast_path.py).
  * Per layer, with s the residual stream (x + residual, kept in `res`):
  *   x = rms_norm(h [+ res])                  the first layer: res = h
  *   qkv = x @ Wqkv.T                         [T, (Hq + 2 Hkv) D], rows q heads, k heads, v heads
+ *   q/k heads = rms_norm(each head)          where the layer has q/k norm (Qwen3), in place
  *   rot = rope(q and k heads of qkv)         [T, Hq + Hkv, D]
  *   store_kv(rot's k heads, qkv's v heads)
  *   attn = decode_attention(rot's q heads)   [T, Hq D]
@@ -37,13 +40,14 @@
 
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
-    const void *qkv, *o, *gate_up, *down; /* panels (pack_panels, _bf16 or _int8) */
+    const void *qkv, *o, *gate_up, *down; /* panels (pack_panels, _bf16, _int8, _bf16_weights) */
     void *k_cache, *v_cache;              /* [num_blocks, block_size, Hkv, D], fp32 or bf16 */
+    const float *q_norm, *k_norm;         /* [D] per-head q/k norm weights, or NULL (none) */
 } stack_layer;
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int64_t num_blocks, block_size, max_position, vocab, bf16, int8;
+    int64_t num_blocks, block_size, max_position, vocab, bf16, int8, bf16_weights;
     float eps, scale;
     const void *embed;       /* [vocab, hidden], fp32 or bf16 */
     const float *cos, *sin;  /* [max_position, D] rope tables (RotaryEmbedding's layout) */
@@ -105,11 +109,13 @@ static void round_rows(const float *x, int64_t stride, int64_t n, int64_t width,
     }
 }
 
-/* out [n, N] fp32 = a [n, k] (rows k apart) @ W.T, W packed for the model's dtype (or int8);
+/* out [n, N] fp32 = a [n, k] (rows k apart) @ W.T, W packed for the model's dtype (or int8, or
+ * bf16 weights for an fp32 model);
  * `rounded` (room for n rows of k bf16) holds a rounded for a bf16 model. Returns 0 or -1. */
 static int project(const stack_model *m, const float *a, int64_t n, int64_t k,
                    const void *panels, int64_t N, float *out, uint16_t *rounded) {
     if (m->int8) return panel_linear_int8(a, n, k, k, panels, N, out);
+    if (m->bf16_weights) return panel_linear_bf16_weights(a, n, k, k, panels, N, out);
     if (!m->bf16) return panel_linear(a, n, k, k, panels, N, out);
     round_rows(a, k, n, k, rounded);
     return panel_linear_bf16(rounded, n, k, k, panels, N, out, NULL);
@@ -149,6 +155,12 @@ static int before_attention(const stack_model *m, int64_t l, const stack_buffers
         rms_norm(h, H, res, layer->input_norm, m->eps, n, H, x, res);
     }
     if (project(m, x, n, H, layer->qkv, qkv_width, qkv, rounded) != 0) return -1;
+    if (layer->q_norm != NULL) /* each head a row of D, in place: a row is read before written */
+        for (int64_t t = 0; t < n; t++) {
+            float *q_heads = qkv + t * qkv_width, *k_heads = q_heads + hq * D;
+            rms_norm(q_heads, D, NULL, layer->q_norm, m->eps, hq, D, q_heads, NULL);
+            rms_norm(k_heads, D, NULL, layer->k_norm, m->eps, hkv, D, k_heads, NULL);
+        }
     rope(qkv, qkv_width, D, n, hq + hkv, D, b->cos + r0 * D, b->sin + r0 * D, rot);
     const int64_t kv = hkv * D, capacity = m->num_blocks * m->block_size;
     int stored;

@@ -34,6 +34,8 @@ int panel_linear_bf16(const uint16_t *a, int64_t m, int64_t k, int64_t a_stride,
                       const uint32_t *packed, int64_t n, float *out, uint16_t *out_bf16);
 int panel_linear_int8(const float *a, int64_t m, int64_t k, int64_t a_stride, const int8_t *packed,
                       int64_t n, float *out);
+int panel_linear_bf16_weights(const float *a, int64_t m, int64_t k, int64_t a_stride,
+                              const uint16_t *packed, int64_t n, float *out);
 void rms_norm(const float *x, int64_t x_stride, const float *residual, const float *weight,
               float eps, int64_t rows, int64_t dim, float *out, float *residual_out);
 void silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out);

@@ -1,13 +1,17 @@
 /* What the panel products (cpu_panel_gemm.c in fp32, cpu_panel_gemm_bf16.c in bf16,
- * cpu_panel_gemm_int8.c with int8 weights) share: the tile shape, the loop over tiles with its
- * next-panel prefetch, and what is done with each tile (stored, or folded into each row's best
- * column for the fused greedy head).
+ * cpu_panel_gemm_int8.c with int8 weights, cpu_panel_gemm_bf16_weights.c with bf16 weights and fp32
+ * rows) share: the tile shape, the loop over tiles with its next-panel prefetch, and what is done
+ * with each tile (stored, or folded into each row's best column for the fused greedy head).
  *
  * An fp32 panel is k rows of NR floats, a bf16 panel k2 = ceil(k / 2) rows of NR pairs of bf16,
- * an int8 panel NR fp32 scales and k rows of NR int8. The copy of `a`'s rows is [row block]
- * [steps][MR] 4-byte elements (steps = k floats, or k2 pairs of bf16). So one loop serves all
- * (cpu_panel_loop.h), given the three functions that differ: a row block's copy, a panel's size
- * and one tile's products.
+ * an int8 panel NR fp32 scales and k rows of NR int8, a bf16-weight panel k rows of NR bf16
+ * (the last two padded to whole cache lines; their tile: cpu_panel_widen.h), or where the build
+ * has AVX512-VNNI an int8 panel NR scales, NR int32 corrections and k4 = ceil(k / 4) groups of
+ * NR x 4 int8 (cpu_panel_int8_dot.h). The copy of `a`'s rows is [row block][steps][MR] 4-byte
+ * elements (steps = k floats, or k2 pairs of bf16, or k4 groups of four int8 + 128 and then one
+ * step of the rows' scales). So one
+ * loop serves all (cpu_panel_loop.h), given the three functions that differ: a row block's copy,
+ * a panel's size and one tile's products.
  *
  * greedy_head compares each tile column with the best value its row has seen in the same lane,
  * a later column replacing it only when strictly greater; at the end the lanes (and threads, in

@@ -1,5 +1,6 @@
 /* The loop over a product's tiles (cpu_panel.h), included once by each panel file after it has
- * defined the three functions that differ between fp32, bf16 and int8, so that they are inlined:
+ * defined the three functions that differ between fp32, bf16, int8 and bf16 weights, so that they
+ * are inlined:
  *
  *   static void block_rows(const void *a, int64_t m, int64_t k, int64_t a_stride, int64_t rb,
  *                          void *at);

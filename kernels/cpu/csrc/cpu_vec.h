@@ -86,6 +86,18 @@ INLINE vf vmax(vf a, vf b) {
 #endif
 }
 
+INLINE vf vmin(vf a, vf b) {
+#if VW == 16
+    return _mm512_min_ps(a, b);
+#elif VW == 8
+    return _mm256_min_ps(a, b);
+#elif defined(__SSE__)
+    return _mm_min_ps(a, b);
+#else
+    return vselect(a < b, a, b);
+#endif
+}
+
 INLINE vf fmadd(vf a, vf b, vf c) { /* a * b + c */
 #if VW == 16
     return _mm512_fmadd_ps(a, b, c);
