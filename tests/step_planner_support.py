@@ -19,6 +19,7 @@ from fake_worker import EOS, VOCAB, FakeWorker
 
 from actorserve.actors.block_manager.block_pool import BlockPool
 from actorserve.actors.runtime.config import EngineConfig
+from actorserve.actors.runtime.config_resolution import resolve_device
 from actorserve.actors.runtime.model_config import ModelFacts
 from actorserve.actors.scheduler.step_planner import StepPlanner
 from actorserve.messages.blocks import AllocateStep, Allocation, FreeBlocks
@@ -32,7 +33,7 @@ def planner_config(**fields) -> EngineConfig:
     """A config as the supervisor hands it to the Scheduler: resolved for a CPU Worker."""
     fields.setdefault("max_model_len", 48)
     facts = ModelFacts(VOCAB, fields["max_model_len"], [EOS])
-    return EngineConfig(model="in-process", facts=facts, **fields).resolve_device("cpu")
+    return resolve_device(EngineConfig(model="in-process", facts=facts, **fields), "cpu")
 
 
 @dataclass

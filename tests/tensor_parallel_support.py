@@ -22,6 +22,7 @@ import msgspec
 import torch
 
 from actorserve.actors.runtime.config import EngineConfig
+from actorserve.actors.runtime.config_resolution import resolve_device, resolve_model
 from actorserve.actors.worker.kv_cache import KVCache
 from actorserve.actors.worker.loader import load_model
 from actorserve.actors.worker.runner import ModelRunner
@@ -92,11 +93,11 @@ def paged_logits(model, shape, prompts: list[list[int]], chunk: int) -> list[tor
 
 
 def runner_tokens(job: RankJob, model, shape, tp: TensorParallel) -> dict[str, list[int]]:
-    config = EngineConfig(
-        model=job.model_dir, device="cpu", torch_threads=1, cpu_fast_path=False
-    ).resolve_model()
+    config = resolve_model(
+        EngineConfig(model=job.model_dir, device="cpu", torch_threads=1, cpu_fast_path=False)
+    )
     config = msgspec.structs.replace(config, num_kv_blocks=job.num_kv_blocks, num_cpu_blocks=0)
-    config = config.resolve_device("cpu")
+    config = resolve_device(config, "cpu")
     kv = KVCache(
         shape.num_layers, job.num_kv_blocks, 0, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim,
         torch.float32, torch.device("cpu"),

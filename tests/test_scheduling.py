@@ -158,3 +158,17 @@ def test_steady_decoding_asks_the_block_manager_about_once_a_block_and_still_mat
     # every step asked before (steps == trips); now a request asks for a block of 16 tokens of
     # room whenever it needs a block, so one round trip serves about 16 steps
     assert trips <= steps // 8
+
+
+def test_the_stats_carry_a_fit_of_the_steps_the_engine_ran(llama_dir, engine):
+    """Every step that computed something is one the fit of its step time has seen (for the
+    gateways' kv_events routing: gateway/kv_routing.py)."""
+    prompts = prompts_of_lengths(llama_dir, [90, 12, 33])
+    before = engine.client.health().stats
+    generate_concurrently(engine.address, prompts, GREEDY)
+    after = engine.wait_blocks_free()
+    cost = after.step_cost
+    assert cost is not None and cost.token_budget == 2048
+    assert cost.steps - before.step_cost.steps == after.num_steps - before.num_steps > 0
+    assert cost.prefill_token_s >= 0.0 and cost.decode_row_s >= 0.0 and cost.step_s >= 0.0
+    assert cost.step_s + cost.prefill_token_s + cost.decode_row_s > 0.0

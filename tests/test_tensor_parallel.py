@@ -13,6 +13,7 @@ import time
 import pytest
 
 from actorserve.actors.runtime.config import EngineConfig
+from actorserve.actors.runtime.config_resolution import resolve_device, resolve_model
 from actorserve.actors.worker.tp_group import rank_device
 from actorserve.messages.common import SamplingParams
 from actorserve.messages.structured import StructuredKind, StructuredOutput
@@ -42,14 +43,14 @@ def test_tensor_parallel_size_below_one_is_refused_naming_the_field():
 
 def test_cpu_ranks_share_the_cores_and_serve_without_the_cpu_fast_path():
     cores = os.cpu_count() or 1
-    cpu = EngineConfig(model="m", tensor_parallel_size=2).resolve_device("cpu")
+    cpu = resolve_device(EngineConfig(model="m", tensor_parallel_size=2), "cpu")
     assert cpu.torch_threads == max(1, cores // 2) and not cpu.cpu_fast_path
-    assert EngineConfig(model="m").resolve_device("cpu").cpu_fast_path  # one rank keeps it
-    given = EngineConfig(model="m", tensor_parallel_size=2, torch_threads=3).resolve_device("cpu")
+    assert resolve_device(EngineConfig(model="m"), "cpu").cpu_fast_path  # one rank keeps it
+    given = resolve_device(EngineConfig(model="m", tensor_parallel_size=2, torch_threads=3), "cpu")
     assert given.torch_threads == 3  # each rank's, as set
     replicas = EngineConfig(model="m", tensor_parallel_size=2, data_parallel_size=2)
-    assert replicas.resolve_device("cpu").torch_threads == max(1, cores // 4)
-    cuda = EngineConfig(model="m", tensor_parallel_size=2).resolve_device("cuda")
+    assert resolve_device(replicas, "cpu").torch_threads == max(1, cores // 4)
+    cuda = resolve_device(EngineConfig(model="m", tensor_parallel_size=2), "cuda")
     assert cuda.torch_threads == 1 and cuda.cpu_fast_path  # not the CPU's to turn off there
 
 
@@ -177,4 +178,4 @@ def test_a_model_that_does_not_split_is_refused_before_any_rank_starts(llama_dir
     config.json field, before the supervisor starts a process."""
     config = EngineConfig(model=str(llama_dir), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="num_attention_heads.*tensor_parallel_size"):
-        config.resolve_model()
+        resolve_model(config)

@@ -2,9 +2,9 @@
 facts in model_config.py).
 
 The supervisor builds an `EngineConfig` from the user's flags, resolves what depends on the
-checkpoint (`ModelFacts`), on the Worker's device (`max_num_seqs`, `torch_threads`: see
-`resolve_device`) and on its memory measurement (`num_kv_blocks`), and hands the resolved config
-to every actor it starts after the Worker.
+checkpoint (`ModelFacts`), on the Worker's device (`max_num_seqs`, `torch_threads`) and on its
+memory measurement (`num_kv_blocks`) with config_resolution.py, and hands the resolved config to
+every actor it starts after the Worker.
 
 Each field says what it is in its `Meta(description=...)`: `actorserve serve --help` shows that
 text, and the flag (`--block-size` for `block_size`) is generated from the field (cli/flags.py).
@@ -13,7 +13,6 @@ A field marked `extra=NOT_A_FLAG` is resolved by the engine, not set by the user
 
 from __future__ import annotations
 
-import os
 from typing import Annotated
 
 import msgspec
@@ -30,16 +29,9 @@ from .config_checks import (
     VictimPolicy,
     check_ranges,
 )
-from .model_config import ModelConfig, ModelFacts
-from .sharding import ShardLayout
-from .tokenizer import tokenizer_file
+from .model_config import ModelFacts
 
 NOT_A_FLAG = {"flag": False}  # Meta.extra of a field the program resolves, not a user setting
-
-# max_num_seqs unset: a GPU step reads each weight once whatever the batch; CPU GEMMs grow with it
-DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 64}
-# torch_threads unset on CUDA: the host thread only launches kernels; more take others' cores
-CUDA_TORCH_THREADS = 1
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -280,11 +272,22 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     transparent_huge_pages: Annotated[
         bool, Meta(description="advise huge pages on the large CPU weight copies")
     ] = True
+    kv_cache_prefault: Annotated[
+        bool,
+        Meta(
+            description="fault the CPU KV cache's pages in while the Worker is idle, so that "
+            "steps do not pay for them (off: each page on its first write)"
+        ),
+    ] = True
     quantization: Annotated[
         Quantization,
         Meta(
             description="int8: the projections' weights stored as int8 with an fp32 scale per "
-            "output channel, quantized at load (CPU fast path; fp32 activations); none: as loaded"
+            "output channel, quantized at load; bf16: stored as bf16 (a bf16 or fp32 "
+            "checkpoint; for CPUs without bf16 arithmetic); both CPU fast path, fp32 "
+            "activations (with int8 on a CPU with AVX512-VNNI each projection's input rows "
+            "are quantized to int8 too, for int8 x int8 products); none: as loaded (dtype "
+            "auto may still pick bf16, by a measurement)"
         ),
     ] = "none"
     step_trace: Annotated[
@@ -352,59 +355,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         queue several batches, and never shuts the others out of the engine."""
         limit = self.max_client_requests
         return limit if limit is not None else max(1, self.max_live_requests // 2)
-
-    def resolve_model(self) -> EngineConfig:
-        """Fill `facts` and `max_model_len` from the checkpoint's JSON files (ValueError naming
-        the field of a model that tensor_parallel_size does not split, before any rank starts;
-        or naming tokenizer.json, which the Engine and the gateway read, when it is missing)."""
-        facts = ModelFacts.read(self.model)
-        if self.tensor_parallel_size > 1:
-            ShardLayout.of(ModelConfig.from_dir(self.model), 0, self.tensor_parallel_size)
-        max_len = self.max_model_len or facts.max_position_embeddings
-        if max_len > facts.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len must be <= the model's max_position_embeddings "
-                f"({facts.max_position_embeddings}), got {max_len}"
-            )
-        tokenizer_file(self.model)
-        return msgspec.structs.replace(self, facts=facts, max_model_len=max_len)
-
-    def resolve_device(self, device_type: str) -> EngineConfig:
-        """Fill the settings whose default depends on the Worker's device ("cuda", else CPU):
-        `max_num_seqs` (DEFAULT_MAX_NUM_SEQS, at most max_num_batched_tokens, so that a default
-        never fails the check that every running decode fits in a step) and `torch_threads`
-        (CUDA_TORCH_THREADS on CUDA; on CPU the cores, shared out among data_parallel_size
-        replicas' tensor_parallel_size ranks); `cpu_fast_path` off on CPU with more than one
-        rank (its packed weights and fused heads are whole-model ones). Settings the user gave
-        stay; validate() passes on the result wherever it passed before. The Worker resolves its
-        config with it, as the supervisor, once the Worker's Ready names the device, does."""
-        kind = "cuda" if device_type == "cuda" else "cpu"
-        max_num_seqs = self.max_num_seqs
-        if max_num_seqs is None:
-            max_num_seqs = min(DEFAULT_MAX_NUM_SEQS[kind], self.max_num_batched_tokens)
-        threads = self.torch_threads
-        if threads is None:
-            processes = self.data_parallel_size * self.tensor_parallel_size
-            cores = max(1, (os.cpu_count() or 1) // processes)
-            threads = CUDA_TORCH_THREADS if kind == "cuda" else cores
-        fast_path = self.cpu_fast_path and (kind == "cuda" or self.tensor_parallel_size == 1)
-        return msgspec.structs.replace(
-            self, max_num_seqs=max_num_seqs, torch_threads=threads, cpu_fast_path=fast_path
-        )
-
-    def resolve_kv_blocks(self, num_kv_blocks: int, num_cpu_blocks: int = 0) -> EngineConfig:
-        """Fix the block count the Worker measured; every sequence must fit in the cache alone."""
-        capacity = num_kv_blocks * self.block_size
-        if self.max_model_len is not None and capacity < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens ({num_kv_blocks} blocks of "
-                f"{self.block_size}), less than max_model_len={self.max_model_len}: raise "
-                f"gpu_memory_utilization (CUDA), kv_cache_memory_gb or num_kv_blocks, or lower "
-                f"max_model_len"
-            )
-        return msgspec.structs.replace(
-            self, num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks
-        )
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)

@@ -12,7 +12,7 @@ VictimPolicy = Literal["fewest_computed", "last_admitted"]
 GreedyHeadScreen = Literal["auto", "int8", "bf16", "off"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KvCacheDtype = Literal["auto", "bfloat16", "float32"]
-Quantization = Literal["none", "int8"]
+Quantization = Literal["none", "int8", "bf16"]
 Placement = Literal["local", "ray"]
 
 

@@ -5,7 +5,8 @@ GrammarReady (Worker); Reset (supervisor, after a restart); Stop.
 Outbox: AllocateStep, FreeBlocks, StatsQuery, Reset -> BlockManager; StepPlan, CompileGrammar,
 Reset -> the Worker's forward thread (its mailbox WORKER_STEPS); TokensOut, Recover -> Engine.
 Owns: the waiting queue and running set, every request's tokens and computed-token count (in its
-StepPlanner, actors/scheduler/step_planner.py, which documents how a step is planned).
+StepPlanner, actors/scheduler/step_planner.py, which documents how a step is planned), and the
+fit of its steps' times (step_cost.py, reported in its stats for the gateways' routing).
 Dies when: Stop, or its supervisor goes away (then by SIGTERM).
 
 The actor only moves messages: it hands each to the planner and sends what the planner returns,
@@ -119,6 +120,7 @@ class Scheduler(Actor):
             num_running=running,
             num_waiting=waiting,
             prefill_tokens_queued=queued,
+            step_cost=planner.step_costs.estimate(),
         )
         self.send("block_manager", message)
 

@@ -56,6 +56,7 @@ from ...messages.step import (
 from ..runtime.config import EngineConfig
 from .admission import WaitingQueue, fair_victim
 from .request_state import Request
+from .step_cost import StepCostFit
 
 
 @dataclass(slots=True)
@@ -81,6 +82,7 @@ class StepPlanner:
         self.arrivals = itertools.count()
         self.counters = EngineStats()  # the Scheduler's counters (the BlockManager adds its own)
         self.victim_order = Request.victim_order(config.preemption_victim)  # sort key, last first
+        self.step_costs = StepCostFit(config.max_num_batched_tokens, config.max_num_seqs or 1)
         self.reset(config.epoch)
 
     def reset(self, epoch: int) -> None:
@@ -354,6 +356,7 @@ class StepPlanner:
             for request in failed:
                 self._finish(request)
         else:
+            self.step_costs.observe_step((count for _, count in scheduled), message.forward_s)
             outputs = self._apply(scheduled, message)
         if flush_held:
             outputs.extend(r.take_output() for r in self.requests.values() if r.unsent is not None)

@@ -48,6 +48,7 @@ from ...messages.control import (
 from ..runtime.actor import LoopSocket
 from ..runtime.addresses import ACTORS, Addresses
 from ..runtime.config import EngineConfig
+from ..runtime.config_resolution import resolve_device, resolve_kv_blocks, resolve_model
 from ..runtime.curve import check_curve
 from .actor_process import MODULES, ActorProcess, Child, restart_delay
 
@@ -68,7 +69,7 @@ class Supervisor:
         self.actor_names: tuple[str, ...] = actors
         config.validate()
         check_curve(config, client_address)  # tcp:// only with CURVE keys (or loopback, if asked)
-        resolved = config.resolve_model()  # before the run directory: an error leaves none
+        resolved = resolve_model(config)  # before the run directory: an error leaves none
         self.run_dir = tempfile.mkdtemp(prefix="actorserve-")  # mode 0700
         client_address = client_address or f"ipc://{self.run_dir}/client.sock"
         addresses = Addresses(self.run_dir, client_address)
@@ -115,8 +116,10 @@ class Supervisor:
             for name in (*self.actor_names, *self.children):
                 ready = await self._wait_ready(name)
                 if name == "worker":
-                    self.config = self.config.resolve_device(ready.device).resolve_kv_blocks(
-                        ready.num_kv_blocks, ready.num_cpu_blocks
+                    self.config = resolve_kv_blocks(
+                        resolve_device(self.config, ready.device),
+                        ready.num_kv_blocks,
+                        ready.num_cpu_blocks,
                     )
                     for later in (a for a in self.actor_names if a not in early):
                         self._spawn(later)

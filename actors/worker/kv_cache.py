@@ -10,9 +10,11 @@ a swap-in writes blocks (freed since) that it may still be reading.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
+
+from ...kernels.cpu import huge_pages
 
 
 class KVCache:
@@ -29,8 +31,10 @@ class KVCache:
         allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ):
         """`allocate(shape, dtype)`: zeroed device blocks where a backend places them itself (the
-        CPU fast path: on huge pages); else torch.zeros on `device`."""
+        CPU fast path: on huge pages, none of them touched yet, see `prefault`); else
+        torch.zeros on `device`."""
         self.num_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
+        self.untouched = allocate is not None  # pages the first write would fault in
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
 
         def zeros():
@@ -53,6 +57,23 @@ class KVCache:
             else []
         )
         self.device = device
+
+    def prefault(self, chunk_bytes: int = huge_pages.HUGE_PAGE) -> Iterator[None]:
+        """Fault in the pages of a cache `allocate` left untouched, ahead of the steps that would
+        otherwise pay for them, without writing a byte (huge_pages.populate): `chunk_bytes` of
+        every layer's K and V at a time, lowest blocks first (the BlockManager hands blocks out
+        lowest first), yielding after each chunk so that the caller can run a step between
+        two. Yields nothing where there is nothing to fault in or the kernel cannot."""
+        if not self.untouched or not self.layers:
+            return
+        cache_bytes = self.layers[0][0].numel() * self.layers[0][0].element_size()
+        for start in range(0, cache_bytes, chunk_bytes):
+            for k, v in self.layers:
+                for cache in (k, v):
+                    if not huge_pages.populate(cache, start, start + chunk_bytes):
+                        return
+            yield
+        self.untouched = False
 
     @staticmethod
     def block_bytes(

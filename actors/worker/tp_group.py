@@ -125,6 +125,7 @@ class FollowerGroup:
         self.liveness = liveness
         self.watchdog: FollowerWatchdog | None = None
         self._stopping = threading.Event()
+        self._condemned = threading.Event()  # condemn() is killing the group
 
     @classmethod
     def spawn(cls, config: EngineConfig) -> FollowerGroup:
@@ -189,6 +190,7 @@ class FollowerGroup:
         only signal a stopped process does not defer) and reap them, so that none outlives
         this process, then exit with FOLLOWER_STALLED. Called from the watchdog's thread,
         never returns. No teardown: the forward thread may be stuck in a collective."""
+        self._condemned.set()
         self._stopping.set()  # the followers' exits are this thread's doing: no GROUP_BROKEN
         for process in self.processes:
             process.kill()
@@ -199,6 +201,15 @@ class FollowerGroup:
                 log.error("tensor-parallel follower pid %d outlived SIGKILL", process.pid)
         logging.shutdown()
         os._exit(FOLLOWER_STALLED)
+
+    def exit_broken(self) -> None:
+        """The forward thread's end when a collective failed: exit GROUP_BROKEN, for a restart;
+        unless condemn() is killing the followers (which fails the collective too), whose exit
+        code (FOLLOWER_STALLED) says why: then wait for it. Never returns."""
+        if not self._condemned.is_set():
+            log.exception("the group's broadcast failed: exiting, so the group restarts")
+            os._exit(GROUP_BROKEN)
+        threading.Event().wait()
 
     def stopping(self) -> None:
         """From now on a follower's exit is expected (call it before the Stop goes out)."""

@@ -26,6 +26,9 @@ That thread reads the plans (and Resets, in order with them) from its own socket
 and sends each StepResult itself: when the Scheduler planned step N+1 while step N ran, the plan
 is already queued and the next forward starts at once. No plan wakes the event loop, whose
 thread would otherwise take a core and the GIL from the forward in the middle of a step.
+While no message waits, that thread faults in the CPU KV cache's pages, a chunk at a time
+(kv_cache.py `KVCache.prefault`, `kv_cache_prefault`): a plan that arrives meanwhile waits for
+one chunk at most, and the steps do not pay for first touches.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,8 +52,9 @@ from ...messages.structured import GrammarReady
 from ..runtime.actor import Actor, actor_main
 from ..runtime.addresses import WORKER_STEPS
 from ..runtime.config import EngineConfig
+from ..runtime.config_resolution import resolve_device
 from .step_handler import StepHandler
-from .tp_group import GROUP_BROKEN, FollowerGroup, join_group, rank_device
+from .tp_group import FollowerGroup, join_group, rank_device
 from .tp_liveness import stamp_period_s
 
 if TYPE_CHECKING:
@@ -62,9 +67,12 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None):
     `num_kv_blocks`, else as many blocks as the memory budget holds) and the swap space, hand
     both to the CPU fast path where it serves, make the ModelRunner: what the Worker serves
     with (scripts/bench_step.py measures the same one). The runner gets `cfg` resolved for its
-    device (EngineConfig.resolve_device)."""
+    device (config_resolution.resolve_device) and with the quantization it serves (under dtype
+    auto perhaps bf16, by a measurement: dtypes.auto_quantization)."""
+    import msgspec
     import torch
 
+    from ...kernels.cpu.bf16_weight_rule import measure_model
     from ...kernels.cpu.fast_path import CpuFastPath
     from ..runtime.model_config import ModelConfig
     from . import dtypes
@@ -76,8 +84,12 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None):
 
     tp = tp or TensorParallel.single()
     device = rank_device(cfg, tp.rank)
-    cfg = cfg.resolve_device(device.type)
-    stored = ModelConfig.from_dir(cfg.model).dtype  # config.json's dtype (or torch_dtype)
+    cfg = resolve_device(cfg, device.type)
+    facts = ModelConfig.from_dir(cfg.model)
+    stored = facts.dtype  # config.json's dtype (or torch_dtype)
+    huge = cfg.transparent_huge_pages
+    auto = dtypes.auto_quantization(cfg, stored, device, lambda: measure_model(facts, huge))
+    cfg = msgspec.structs.replace(cfg, quantization=auto.quantization)
     dtype, dtype_reason = dtypes.model_dtype(cfg.dtype, stored, device, cfg.quantization)
     kv_dtype, kv_reason = dtypes.kv_cache_dtype(cfg.kv_cache_dtype, dtype)
     fast_path = CpuFastPath.create(cfg, device)  # None: plain torch (off, not CPU, no compiler)
@@ -110,6 +122,8 @@ def build_runner(cfg: EngineConfig, tp: TensorParallel | None = None):
     if fast_path is not None:
         fast_path.prepare(model, kv.layers)
     log = logging.getLogger(Worker.name)
+    if auto.reason is not None:
+        log.info("quantization %s (%s)", cfg.quantization, auto.reason)
     log.info("dtype %s (%s); KV cache %s (%s)", dtype, dtype_reason, kv_dtype, kv_reason)
     log.info(
         "model %s on %s (%s, %d threads, attention %s, CPU fast path %s): %d KV blocks of %d "
@@ -143,7 +157,7 @@ def build_rank(config: EngineConfig, rank: int, init_file: str) -> Rank:
     same order on each."""
     import torch
 
-    config = config.resolve_device(rank_device(config, rank).type)
+    config = resolve_device(config, rank_device(config, rank).type)
     torch.set_num_threads(config.torch_threads)
     tp = join_group(config, rank, init_file)
     runner = build_runner(config, tp)
@@ -196,6 +210,9 @@ class Worker(Actor):
         handler = StepHandler(self.runner, self.config, self.rank.tp, LeaderReplies(self, results))
         broadcast = self.rank.tp.broadcast_bytes
         receive = steps.recv
+        if self.group is None and self.config.kv_cache_prefault:
+            # (not in a group: its idle ticks keep the followers' collectives in time)
+            receive = IdleWork(self.runner.kv.prefault(), steps).receive
         if self.group is not None:
             bound_s = self.config.tp_follower_timeout_s
             self.rank.tp.serve_with_timeout(bound_s)
@@ -213,8 +230,7 @@ class Worker(Actor):
             if self.group is None:
                 raise  # _forward_ended stops the Worker
             # a follower gone mid-broadcast: exit as the follower watch would, for a restart
-            self.log.exception("the group's broadcast failed: exiting, so the group restarts")
-            os._exit(GROUP_BROKEN)
+            self.group.exit_broken()
         finally:
             results.close()
             steps.close(linger=0)
@@ -240,6 +256,24 @@ class Worker(Actor):
         await self.loop.run_in_executor(self.executor, self.rank.tp.close)
         self.executor.shutdown(wait=True)
         self.runner.grammars.close()
+
+
+class IdleWork:
+    """A socket's receive that runs `work`'s next chunk (an iterator whose every item is one)
+    while no message waits, until `work` is exhausted: a message waits one chunk at most."""
+
+    def __init__(self, work: Iterator[object], socket: zmq.Socket):
+        self.work: Iterator[object] | None = work
+        self.socket = socket
+
+    def receive(self) -> bytes:
+        while self.work is not None and not self.socket.poll(0):
+            if next(self.work, _DONE) is _DONE:
+                self.work = None
+        return self.socket.recv()
+
+
+_DONE = object()
 
 
 class LeaderReplies:
