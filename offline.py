@@ -15,7 +15,8 @@ import msgspec
 
 from .actors.runtime.config import EngineConfig
 from .actors.supervisor.background import BackgroundSupervisor
-from .gateway.client import AsyncClient, Client
+from .gateway.blocking_client import Client
+from .gateway.client import AsyncClient
 from .messages.common import FinishReason, SamplingParams
 
 

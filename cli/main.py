@@ -20,7 +20,7 @@ from ..actors.runtime.config import EngineConfig
 from ..actors.runtime.curve import with_own_client
 from ..actors.supervisor.background import BackgroundSupervisor
 from ..actors.supervisor.supervisor import SupervisorError
-from ..gateway.client import Client
+from ..gateway.blocking_client import Client
 from ..gateway.curve_keys import client_options, write_keys
 from ..gateway.errors import EngineError
 from ..gateway.service import GatewaySettings

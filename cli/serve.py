@@ -280,7 +280,7 @@ def gateway_settings(args: argparse.Namespace, config: EngineConfig) -> GatewayS
     given.setdefault("api_key", comma_list(os.environ.get("ACTORSERVE_API_KEY", "")))
     engines = len(given.get("replicas", [])) or config.data_parallel_size
     given.setdefault("max_concurrent_requests", config.max_live_requests * engines)
-    return GatewaySettings(
+    settings = GatewaySettings(
         model_id=config.model,
         model_dir=config.model,
         max_model_len=config.max_model_len,
@@ -291,3 +291,5 @@ def gateway_settings(args: argparse.Namespace, config: EngineConfig) -> GatewayS
         max_client_output_tokens=config.max_client_output_tokens,
         **given,
     )
+    settings.validate()
+    return settings

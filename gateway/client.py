@@ -1,4 +1,5 @@
-"""The ZeroMQ client SDK: `AsyncClient` (asyncio) and `Client` (blocking), over one DEALER socket.
+"""The ZeroMQ client SDK's `AsyncClient` (asyncio), over one DEALER socket (`Client`, the blocking
+one, wraps it: blocking_client.py).
 
 One receive task reads the socket and routes each reply by request id. A stream whose consumer is
 slow does not queue without bound: deltas that arrive before it reads are merged into one per
@@ -17,10 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import msgspec
 import zmq
@@ -338,69 +338,3 @@ class AsyncClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-
-class Client:
-    """Blocking wrapper: an AsyncClient on a private event loop thread."""
-
-    def __init__(self, address: str, **options):
-        """`options`: AsyncClient's (timeout_s, ping_interval_s, liveness_timeout_s,
-        server_public_key, client_keys)."""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, daemon=True, name="actorserve-client"
-        )
-        self._thread.start()
-        self._async = self._call(self._make(address, options))
-
-    @staticmethod
-    async def _make(address: str, options: dict) -> AsyncClient:
-        return AsyncClient(address, **options)
-
-    def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-    ) -> Iterator[Delta]:
-        stream = self._async.generate(prompt, params, request_id, priority)
-        try:
-            while True:
-                try:
-                    yield self._call(stream.__anext__())
-                except StopAsyncIteration:
-                    return
-        finally:
-            self._call(stream.aclose())
-
-    def complete(self, prompt: str | list[int], params: SamplingParams | None = None) -> Delta:
-        """The whole completion as one Delta (text, token ids and logprobs joined); with n > 1,
-        sample 0 (see `complete_all`)."""
-        return self.complete_all(prompt, params)[0]
-
-    def complete_all(
-        self, prompt: str | list[int], params: SamplingParams | None = None
-    ) -> list[Delta]:
-        """Every sample of the request (`params.n` of them) as one joined Delta, by index."""
-        return self._call(self._async.complete_all(prompt, params))
-
-    def abort(self, request_id: str) -> None:
-        self._call(self._async.abort(request_id))
-
-    def health(self, timeout_s: float = 10.0) -> HealthReply:
-        return self._call(self._async.health(timeout_s))
-
-    def close(self) -> None:
-        self._call(self._async.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

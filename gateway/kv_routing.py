@@ -1,21 +1,37 @@
-"""Routing on what each replica's prefix cache holds (`route_policy` kv_events), pure.
+"""Routing on what each replica's prefix cache holds against how busy it is (`route_policy`
+kv_events): the replica predicted to give a request its first token soonest. Pure.
 
 A request's chain (`prompt_block_hashes`) is the one the BlockManager looks up for it:
 actors/runtime/block_hash.py's hashes of its full blocks from its cache salt's root, leaving at
 least one prompt token to compute (block_pool.py `_lookup`), at most `max_blocks` of them. Each
 replica whose index is usable (kv_index.py) holds the first `cached[i]` of them.
 
-The choice (`choose_by_cache`): among the candidates (the usable replicas with KV use at most
-`kv_high`, or all usable ones when none is; as choose_replica's), the highest
+The time to a request's first token on replica i (`predicted_ttft`), in its own step costs
+(messages/client.py StepCost: a step's seconds ~= step_s + prefill_token_s x prefill tokens +
+decode_row_s x decode rows, fit by the replica to the steps it ran):
 
-    score(i) = cached[i] - (prefill_weight x prefill_tokens[i] + decode_weight x decodes[i])
-                           / block_size
+    tokens = queued prefill tokens there + this prompt's tokens not cached there
+    step   = step_s + decodes x decode_row_s            (a step of its running decodes)
+    steps  = ceil(tokens / (token budget - decodes))   (at least one)
+    ahead  = steps_ahead if it has running decodes, else 0
+    ttft   = tokens x prefill_token_s + (ahead + steps) x step
 
-cached prefix blocks (prompt blocks it need not compute) against its load in blocks' worth of
-work before this request's first token: the prompt tokens queued there for prefill, and the
-decodes running there, each of which takes a slot of every step this request's prefill needs.
-Ties (no cache anywhere, equal loads) go to `affine`, prefix affinity's choice, so that a prefix
-seen nowhere yet starts on one replica, not on whichever is first.
+The prefill queued ahead of it and its own, then every step that takes also runs the replica's
+running decodes (each a row of every step); and a replica that is decoding first finishes the
+steps already under way (`steps_ahead`, `route_kv_steps_ahead`: about half of the one running
+and the one planned after it, as the Scheduler plans a step while the one before it runs). A
+cached block is block_size tokens not computed: the cache's worth is priced in the same seconds
+as the load's, and is worth most where a prefill token is dear. Requests that wait for a seat
+(max_num_seqs) are not counted.
+
+A replica that has not measured its steps yet (no stats, or none run) is priced like the mean of
+those that have; while none has, every one by the prior (StepCost's defaults), so the first
+requests spread on the load counts alone. Replicas whose costs differ by at most `tie` (a
+fraction, `route_kv_tie`: on this prompt computed on an idle replica) are taken to be alike, the
+difference noise in their measures, and are all priced at their mean: their predictions then
+differ by their work alone. Replicas that differ more (another kind of machine) are each priced
+by its own. Equal predictions go to prefix affinity's pick (`affine`) when it is one of them, so
+that a prefix seen nowhere starts on one replica; else the least predicted takes the request.
 """
 
 from __future__ import annotations
@@ -23,7 +39,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..actors.runtime.block_hash import chain_hashes, chain_root
+from ..messages.client import StepCost
 from .kv_index import ReplicaIndex
+
+EQUAL = 1e-9  # predictions this close (relative) are equal: float sums of the same terms
 
 
 def prompt_block_hashes(
@@ -37,44 +56,91 @@ def prompt_block_hashes(
     return list(chain_hashes(chain_root(cache_salt), tokens, block_size))
 
 
-def kv_score(
-    cached_blocks: int,
-    prefill_tokens: int,
-    decodes: int,
-    block_size: int,
-    prefill_weight: float,
-    decode_weight: float,
+def predicted_ttft(
+    cost: StepCost, queued_prefill: int, uncached: int, decodes: int, steps_ahead: float = 0.0
 ) -> float:
-    return cached_blocks - (prefill_weight * prefill_tokens + decode_weight * decodes) / block_size
+    """Seconds to the first token of a request with `uncached` prompt tokens to compute, behind
+    `queued_prefill` tokens, beside `decodes` running decodes (the module's docstring)."""
+    tokens = queued_prefill + uncached
+    step = cost.step_s + decodes * cost.decode_row_s
+    steps = max(1, -(-tokens // max(1, cost.token_budget - decodes)))
+    ahead = steps_ahead if decodes > 0 else 0.0
+    return tokens * cost.prefill_token_s + (ahead + steps) * step
 
 
-def choose_by_cache(
-    cached: Sequence[int],
+def priced(costs: Sequence[StepCost | None]) -> list[StepCost]:
+    """Each replica's step costs: its own where measured, else the mean of the measured ones,
+    else the prior."""
+    measured = [c for c in costs if c is not None and c.steps > 0]
+    if not measured:
+        return [StepCost()] * len(costs)
+    mean = _mean(measured)
+    return [c if c is not None and c.steps > 0 else mean for c in costs]
+
+
+def _mean(costs: Sequence[StepCost]) -> StepCost:
+    n = len(costs)
+    return StepCost(
+        step_s=sum(c.step_s for c in costs) / n,
+        prefill_token_s=sum(c.prefill_token_s for c in costs) / n,
+        decode_row_s=sum(c.decode_row_s for c in costs) / n,
+        token_budget=round(sum(c.token_budget for c in costs) / n),
+        steps=min(c.steps for c in costs),
+    )
+
+
+def choose_by_ttft(
+    uncached: Sequence[int],
     prefill_tokens: Sequence[int],
     decodes: Sequence[int],
+    costs: Sequence[StepCost | None],
     usable: Sequence[bool],
-    block_size: int,
-    prefill_weight: float,
-    decode_weight: float,
+    tie: float = 0.0,
     affine: int | None = None,
     kv_use: Sequence[float] | None = None,
     kv_high: float = 1.0,
+    steps_ahead: float = 0.0,
+    loads: Sequence[int] | None = None,
+    load_margin: int | None = None,
 ) -> int | None:
-    """The replica (index) with the best score; None when none is usable."""
+    """The replica (index) with the least predicted time to the first token; None when none is
+    usable. `uncached[i]`: the prompt's tokens replica i would compute; `prefill_tokens[i]`,
+    `decodes[i]`: its queue; `costs[i]`: its step costs (None: not measured); `tie`,
+    `steps_ahead`: the module's docstring. The candidates:
+    the usable replicas with KV use at most `kv_high`, or all usable ones when none is (as
+    choose_replica's), less those whose load (`loads[i]`, requests in flight) exceeds the least
+    candidate's by more than `load_margin` (None: no bound): the prediction prices one
+    request's wait, not the waits it adds to the others', so without a bound the replica that
+    holds a hot prefix takes its requests while another one idles. Equal predictions go to
+    `affine` when it is one of them."""
     usable_ones = [i for i, ok in enumerate(usable) if ok]
     if not usable_ones:
         return None
     roomy = [i for i in usable_ones if kv_use is None or kv_use[i] <= kv_high]
     candidates = roomy or usable_ones
-    scores = {
-        i: kv_score(
-            cached[i], prefill_tokens[i], decodes[i], block_size, prefill_weight, decode_weight
-        )
+    if loads is not None and load_margin is not None:
+        least_load = min(loads[i] for i in candidates)
+        candidates = [i for i in candidates if loads[i] - least_load <= load_margin]
+    prices = priced(costs)
+    if alike([prices[i] for i in candidates], max(uncached[i] for i in candidates), tie):
+        mean = _mean([prices[i] for i in candidates])
+        prices = [mean] * len(prices)
+    ttft = {
+        i: predicted_ttft(prices[i], prefill_tokens[i], uncached[i], decodes[i], steps_ahead)
         for i in candidates
     }
-    best = max(scores.values())
-    tied = [i for i in candidates if scores[i] == best]
-    return affine if affine in tied else tied[0]
+    least = min(candidates, key=lambda i: (ttft[i], i))
+    if affine in ttft and ttft[affine] <= ttft[least] * (1.0 + EQUAL):
+        return affine
+    return least
+
+
+def alike(costs: Sequence[StepCost], prompt_tokens: int, tie: float) -> bool:
+    """Whether the replicas' costs differ by at most `tie` (a fraction) on a prompt of
+    `prompt_tokens` tokens computed on an idle replica: then the difference is taken for noise
+    in their measures."""
+    idle = [predicted_ttft(cost, 0, prompt_tokens, 0) for cost in costs]
+    return max(idle) <= min(idle) * (1.0 + tie)
 
 
 class KvRouter:
@@ -87,16 +153,18 @@ class KvRouter:
         indexes: list[ReplicaIndex],
         block_size: int,
         max_blocks: int,
-        prefill_weight: float,
-        decode_weight: float,
         assume_s: float,
+        tie: float = 0.0,
+        steps_ahead: float = 0.0,
+        load_margin: int | None = None,
     ):
         self.indexes = indexes
+        self.load_margin = load_margin
         self.block_size = block_size
         self.max_blocks = max_blocks
-        self.prefill_weight = prefill_weight
-        self.decode_weight = decode_weight
         self.assume_s = assume_s
+        self.tie = tie
+        self.steps_ahead = steps_ahead
         self.by_cache = 0  # requests routed on the indexes
         self.fallbacks = 0  # requests routed by prefix affinity, an index not usable
 
@@ -111,28 +179,39 @@ class KvRouter:
             self.fallbacks += 1
         return ready
 
+    def uncached(self, replica: int, hashes: Sequence[bytes], num_tokens: int) -> int:
+        """The prompt's tokens (`num_tokens` of them) `replica` would compute: those past the
+        blocks of its chain the replica holds (at least one, as the BlockManager leaves)."""
+        cached = self.indexes[replica].cached_prefix_blocks(hashes)
+        return max(1, num_tokens - cached * self.block_size)
+
     def choose(
         self,
         hashes: Sequence[bytes],
+        num_tokens: int,
         usable: Sequence[bool],
         prefill_tokens: Sequence[int],
         decodes: Sequence[int],
+        costs: Sequence[StepCost | None],
         affine: int | None,
         kv_use: Sequence[float] | None = None,
         kv_high: float = 1.0,
+        loads: Sequence[int] | None = None,
     ) -> int | None:
-        cached = [index.cached_prefix_blocks(hashes) for index in self.indexes]
-        return choose_by_cache(
-            cached,
+        uncached = [self.uncached(i, hashes, num_tokens) for i in range(len(self.indexes))]
+        return choose_by_ttft(
+            uncached,
             prefill_tokens,
             decodes,
+            costs,
             usable,
-            self.block_size,
-            self.prefill_weight,
-            self.decode_weight,
+            self.tie,
             affine,
             kv_use,
             kv_high,
+            self.steps_ahead,
+            loads,
+            self.load_margin,
         )
 
     def routed(self, replica: int, hashes: Sequence[bytes]) -> None:

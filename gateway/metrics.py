@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
 
-from ..messages.client import EngineStats
+from ..messages.client import EngineStats, StepCost
 
 PREFIX = "actorserve_"
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -123,13 +123,22 @@ class _EngineCollector(Collector):
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
 
 
+class ReplicaReading(NamedTuple):
+    index: int
+    routed: int
+    in_flight: int
+    up: bool
+    step_cost: StepCost | None = None  # its last measured step costs (kv_events routes on them)
+
+
 class _ReplicaCollector(Collector):
     """Per data-parallel replica (label replica="0", ...): requests this gateway routed there
-    (resumptions after a failover too), its requests in flight there, whether it is up."""
+    (resumptions after a failover too), its requests in flight there, whether it is up, and its
+    measured step costs once it reported them (label term: step, prefill_token, decode_row)."""
 
-    def __init__(self, model: str, read: Callable[[], Iterable[tuple[int, int, int, bool]]]):
+    def __init__(self, model: str, read: Callable[[], Iterable[ReplicaReading]]):
         self.model = model
-        self.read = read  # -> (index, routed, in flight, up) of each replica
+        self.read = read
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model_name", "replica"]
@@ -142,11 +151,23 @@ class _ReplicaCollector(Collector):
         up = GaugeMetricFamily(
             PREFIX + "replica_up", "1 while the replica takes new requests.", labels=labels
         )
-        for index, sent, live, is_up in self.read():
+        cost = GaugeMetricFamily(
+            PREFIX + "replica_step_cost_seconds",
+            "The replica's fit of its step time: a step, a prefill token, a decode row.",
+            labels=[*labels, "term"],
+        )
+        for index, sent, live, is_up, step_cost in self.read():
             routed.add_metric([self.model, str(index)], sent)
             in_flight.add_metric([self.model, str(index)], live)
             up.add_metric([self.model, str(index)], float(is_up))
-        yield from (routed, in_flight, up)
+            if step_cost is not None:
+                for term, seconds in (
+                    ("step", step_cost.step_s),
+                    ("prefill_token", step_cost.prefill_token_s),
+                    ("decode_row", step_cost.decode_row_s),
+                ):
+                    cost.add_metric([self.model, str(index), term], seconds)
+        yield from (routed, in_flight, up, cost)
 
 
 class KvIndexReading(NamedTuple):
@@ -268,7 +289,7 @@ class Metrics:
             gauge = Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry)
             gauge.labels(self.model).set_function(read)
 
-    def watch_replicas(self, read: Callable[[], Iterable[tuple[int, int, int, bool]]]) -> None:
+    def watch_replicas(self, read: Callable[[], Iterable[ReplicaReading]]) -> None:
         """The per-replica metrics, from `read()` at each scrape (_ReplicaCollector)."""
         self.registry.register(_ReplicaCollector(self.model, read))
 

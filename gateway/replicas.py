@@ -1,34 +1,16 @@
-"""Data-parallel replicas behind one gateway: which engine stack each request goes to, and where
-a stream goes on when its replica dies.
+"""Data-parallel replicas behind one gateway, as one client: which engine stack each request goes
+to, and where a stream goes on when its replica dies.
 
-Routing (`route_policy` "prefix", `choose_replica`, pure): a prompt of at least one full block of
-`block_size` tokens has a prefix key, a hash of its first full blocks, at most
-`route_prefix_blocks` of them. Rendezvous hashing maps the key to the candidate with the highest
-blake2b(key || replica index): requests sharing those blocks (a system prompt) land on one
-replica, whose prefix cache then holds them, and a replica leaving moves only its own keys.
+Routing (`ReplicaSet.choose`): `route_policy` "prefix" (prefix affinity against load and KV use)
+and "round_robin" are gateway/replica_choice.py's pure choices, on what the gateway knows of each
+replica (gateway/replica_state.py: the requests it sent there, its polled EngineStats).
 
-What a replica is judged by (`replica_load`, `Replica.kv_use`): its load is
-max(this gateway's requests in flight there, its own running + waiting), the second from its
-EngineStats, polled at most every `route_stats_interval_s` (and from every health check). The
-replica's own numbers count other gateways' requests too; this gateway's count covers the
-requests it sent since the last poll. Its KV use is blocks used / blocks total from the same
-stats. Stats older than `STALE_INTERVALS` intervals are not used (load: in flight here only;
-KV use: 0).
-
-The candidates are the usable replicas whose KV use is at most `route_kv_high`, or every usable
-replica when none is under it (a full cache preempts; a replica under it can still take work).
-The affine candidate takes the request unless its load exceeds the least-loaded candidate's by
-more than `route_load_margin`; then the least loaded takes it, as does every prompt shorter than
-one block. A replica that is down (its stream failed with EngineUnavailable, its health check
-failed, it refused a request as unavailable: draining) gets no new requests until a health
-check answers again. `route_policy` "round_robin" ignores keys, load and KV use: each request
-goes to the next usable replica in turn (a baseline for scripts/bench_dp_routing.py).
-
-`route_policy` "kv_events" (`kv`, a KvRouter: gateway/kv_routing.py) routes on what each
-replica's prefix cache holds, from its KV events, against its prefill queue and running decodes:
-the larger of this gateway's (prompt tokens sent there without a first token yet, requests past
-it) and the replica's own (EngineStats). While any usable replica's index is not in step it
-falls back to prefix affinity as above.
+`route_policy` "kv_events" (`kv`, a KvRouter: gateway/kv_routing.py) sends a request where its
+first token is predicted soonest: from what each replica's prefix cache holds (its KV events),
+its queue (`Replica.queue`: prompt tokens waiting for prefill and requests decoding, this
+gateway's counted live, other gateways' from its EngineStats) and its measured step costs
+(EngineStats.step_cost). While any usable replica's index is not in step it falls back to
+prefix affinity as above.
 
 Failover (`ReplicaSet.generate`): a stream whose replica fails it as unavailable goes on on
 another usable replica as a resumption (GenerateRequest.resume with the tokens each sample has
@@ -39,104 +21,21 @@ for greedy and seeded requests. With one replica there is nowhere to go: the err
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
-from array import array
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 
 from ..messages.client import Delta, EngineStats, HealthReply, ResumedSample
 from ..messages.common import SamplingParams
 from .client import AsyncClient
 from .errors import EngineError, EngineUnavailable
 from .kv_routing import KvRouter
-
-STALE_INTERVALS = 5  # stats older than this many route_stats_interval_s are not used
-
-
-def prefix_key(token_ids: Sequence[int], block_size: int, max_blocks: int) -> bytes | None:
-    """The hash of the prompt's first full blocks (at most `max_blocks`); None under one block.
-    (Not the BlockManager's chained block hashes, actors/block_manager/block_hash.py, which the
-    gateway may not import: any hash of the same tokens keys a route as well.)"""
-    full = min(len(token_ids) // block_size, max_blocks) * block_size
-    if full == 0:
-        return None
-    return hashlib.blake2b(array("q", token_ids[:full]).tobytes(), digest_size=16).digest()
-
-
-def _rendezvous_weight(key: bytes, index: int) -> bytes:
-    return hashlib.blake2b(key + index.to_bytes(4, "little"), digest_size=8).digest()
-
-
-def choose_replica(
-    key: bytes | None,
-    loads: Sequence[int],
-    usable: Sequence[bool],
-    margin: int,
-    kv_use: Sequence[float] | None = None,
-    kv_high: float = 1.0,
-) -> int | None:
-    """The replica (index) for a request with prefix `key`; None when no replica is usable.
-    `loads[i]`: replica i's load (`replica_load`); `kv_use[i]`: its KV cache use, 0..1. The
-    candidates: the usable replicas with KV use at most `kv_high`, or all usable ones when none
-    is. The affine candidate (rendezvous hashing) unless its load exceeds the least load by more
-    than `margin`; then, and without a key, the least loaded (the lowest index among equals)."""
-    usable_ones = [i for i, ok in enumerate(usable) if ok]
-    if not usable_ones:
-        return None
-    roomy = [i for i in usable_ones if kv_use is None or kv_use[i] <= kv_high]
-    candidates = roomy or usable_ones
-    least = min(candidates, key=lambda i: (loads[i], i))
-    if key is None:
-        return least
-    affine = max(candidates, key=lambda i: _rendezvous_weight(key, i))
-    return affine if loads[affine] - loads[least] <= margin else least
-
-
-def next_in_turn(last: int, usable: Sequence[bool]) -> int | None:
-    """Round robin: the first usable replica after `last` (wrapping); None when none is."""
-    count = len(usable)
-    for step in range(1, count + 1):
-        i = (last + step) % count
-        if usable[i]:
-            return i
-    return None
-
-
-def replica_load(in_flight_here: int, stats: EngineStats | None) -> int:
-    """A replica's load: this gateway's requests in flight there, or the replica's own running +
-    waiting (every gateway's, as of its last stats) when that is more."""
-    if stats is None:
-        return in_flight_here
-    return max(in_flight_here, stats.num_running + stats.num_waiting)
+from .replica_choice import choose_replica, next_in_turn, prefix_key, replica_load
+from .replica_state import STALE_INTERVALS, Replica
 
 
 def _failover_worthy(exc: EngineError) -> bool:
     """A failure of the replica, not of the request: another replica may serve it."""
     return isinstance(exc, EngineUnavailable) or exc.code == "unavailable"
-
-
-class Replica:
-    def __init__(self, index: int, client: AsyncClient):
-        self.index = index
-        self.client = client
-        self.in_flight = 0  # this gateway's requests there, not ended
-        self.awaiting_first = 0  # of which without a first token yet
-        self.prefill_here = 0  # their prompt tokens not in its cache (as far as we know)
-        self.routed = 0  # requests (and resumptions) sent there
-        self.up = True
-        self.stats: EngineStats | None = None  # its last answer to a stats poll or health check
-        self.stats_at = -float("inf")  # when it came (monotonic)
-
-    def observe(self, stats: EngineStats) -> None:
-        self.stats, self.stats_at = stats, time.monotonic()
-
-    def fresh_stats(self, max_age_s: float) -> EngineStats | None:
-        return self.stats if time.monotonic() - self.stats_at <= max_age_s else None
-
-    def kv_use(self, max_age_s: float) -> float:
-        """Blocks used / blocks total, from stats at most `max_age_s` old (else 0)."""
-        stats = self.fresh_stats(max_age_s)
-        return stats.blocks_used / stats.blocks_total if stats and stats.blocks_total else 0.0
 
 
 class ReplicaSet:
@@ -178,8 +77,11 @@ class ReplicaSet:
         self._retired: list[AsyncClient] = []  # the clients of moved replicas, until closed
         self._closing: set[asyncio.Task] = set()
 
-    def choose(self, key: bytes | None, hashes: list[bytes] | None = None) -> Replica | None:
-        """`hashes`: the prompt's block chain, for kv_events (None: prefix affinity)."""
+    def choose(
+        self, key: bytes | None, hashes: list[bytes] | None = None, num_tokens: int = 0
+    ) -> Replica | None:
+        """`hashes`: the prompt's block chain, for kv_events (None: prefix affinity), of a
+        prompt of `num_tokens` tokens."""
         usable = [r.up for r in self.replicas]
         if self.policy == "round_robin":
             index = next_in_turn(self._last_turn, usable)
@@ -192,13 +94,19 @@ class ReplicaSet:
         kv_use = [r.kv_use(max_age) for r in self.replicas]
         index = choose_replica(key, loads, usable, self.load_margin, kv_use, self.kv_high)
         if self.kv is not None and hashes is not None and self.kv.ready(usable):
-            prefill, decodes = [], []
-            for replica, replica_stats in zip(self.replicas, stats, strict=True):
-                theirs = replica_stats or EngineStats()
-                prefill.append(max(replica.prefill_here, theirs.prefill_tokens_queued))
-                decoding = replica.in_flight - replica.awaiting_first
-                decodes.append(max(decoding, theirs.num_running))
-            index = self.kv.choose(hashes, usable, prefill, decodes, index, kv_use, self.kv_high)
+            queues = [r.queue(max_age) for r in self.replicas]
+            index = self.kv.choose(
+                hashes,
+                num_tokens,
+                usable,
+                [prefill for prefill, _ in queues],
+                [decodes for _, decodes in queues],
+                [r.step_cost for r in self.replicas],
+                index,
+                kv_use,
+                self.kv_high,
+                loads,
+            )
         return None if index is None else self.replicas[index]
 
     def _poll_stats_soon(self) -> None:
@@ -219,12 +127,16 @@ class ReplicaSet:
         health checks decide that, and its old stats age out."""
         timeout_s = max(1.0, 2 * (self.stats_interval_s or 0.0))
         up = [r for r in self.replicas if r.up]
+        for replica in up:
+            replica.asking()
         replies = await asyncio.gather(
             *(r.client.health(timeout_s) for r in up), return_exceptions=True
         )
         for replica, reply in zip(up, replies, strict=True):
             if isinstance(reply, HealthReply):
                 replica.observe(reply.stats)
+            else:
+                replica.unanswered()
 
     async def _route_keys(
         self, prompt: str | list[int], cache_salt: str | None
@@ -259,12 +171,12 @@ class ReplicaSet:
         received: dict[int, list[int]] = {}
         done: set[int] = set()
         resume: list[ResumedSample] | None = None
-        replica = self.choose(key, hashes) or self.replicas[0]  # none up: the SDK says why
+        # none up: the first, and the SDK says why
+        replica = self.choose(key, hashes, num_tokens) or self.replicas[0]
         while True:
             current = replica
-            prefill = self._routed(current, hashes, num_tokens)
+            counted = self._routed(current, hashes, num_tokens)
             current.in_flight += 1
-            current.routed += 1
             if request_id is not None:
                 self.serving[request_id] = current
             stream = current.client.generate(
@@ -272,9 +184,9 @@ class ReplicaSet:
             )
             try:
                 async for delta in stream:
-                    if prefill is not None:
-                        self._first_token(current, prefill)
-                        prefill = None
+                    if counted is not None:
+                        self._first_token(current, counted)
+                        counted = None
                     received.setdefault(delta.index, []).extend(delta.token_ids)
                     if delta.finished:
                         done.add(delta.index)
@@ -284,7 +196,7 @@ class ReplicaSet:
                 if not _failover_worthy(exc):
                     raise
                 self.mark_down(current)
-                successor = self.choose(key, hashes)
+                successor = self.choose(key, hashes, num_tokens)
                 if successor is None:
                     raise
                 replica = successor
@@ -292,30 +204,35 @@ class ReplicaSet:
                     ResumedSample(i, list(received.get(i, []))) for i in range(n) if i not in done
                 ]
             finally:
-                if prefill is not None:  # it ended before its first token
-                    self._first_token(current, prefill)
+                if counted is not None:  # it ended before its first token
+                    self._first_token(current, counted)
                 current.in_flight -= 1
                 if request_id is not None and self.serving.get(request_id) is current:
                     del self.serving[request_id]
                 await stream.aclose()  # the SDK aborts a request left before it finished
 
-    def _routed(self, replica: Replica, hashes: list[bytes] | None, num_tokens: int) -> int:
-        """Count a request sent to `replica` as awaiting its first token, with its prompt
-        tokens not cached there; the prefill so counted."""
+    def _routed(
+        self, replica: Replica, hashes: list[bytes] | None, num_tokens: int
+    ) -> tuple[int, int]:
+        """Count a request sent to `replica` as awaiting its first token, with its prompt tokens
+        and those of them not cached there; (uncached, all) as counted."""
         prefill = num_tokens
         if self.kv is not None and hashes is not None:
-            cached = self.kv.indexes[replica.index].cached_prefix_blocks(hashes)
-            prefill = max(0, num_tokens - cached * self.block_size)
+            prefill = min(num_tokens, self.kv.uncached(replica.index, hashes, num_tokens))
             self.kv.routed(replica.index, hashes)
+        replica.routed += 1
         replica.awaiting_first += 1
         replica.prefill_here += prefill
-        return prefill
+        replica.prompt_here += num_tokens
+        replica.prompt_routed += num_tokens
+        return prefill, num_tokens
 
     @staticmethod
-    def _first_token(replica: Replica, prefill: int) -> None:
+    def _first_token(replica: Replica, counted: tuple[int, int]) -> None:
         """Undo `_routed`'s count: the request has its first token (or ended)."""
         replica.awaiting_first -= 1
-        replica.prefill_here -= prefill
+        replica.prefill_here -= counted[0]
+        replica.prompt_here -= counted[1]
 
     async def abort(self, request_id: str) -> None:
         """AsyncClient.abort on the replica serving `request_id` (on every replica when none
@@ -349,7 +266,7 @@ class ReplicaSet:
         replica = self.replicas[index]
         old = replica.client
         replica.client = client
-        replica.stats, replica.stats_at = None, -float("inf")
+        replica.forget()
         old.fail_all(f"was replaced by replica {index} at {client.address}")
         self.mark_down(replica)
         self._retired.append(old)
@@ -376,6 +293,8 @@ class ReplicaSet:
         """Every replica's health at once: ok when all answer ok, the stats summed, the actors of
         all; replicas that answer are up again, those that do not are down. Raises the first
         replica's error when none answers."""
+        for replica in self.replicas:
+            replica.asking()
         replies = await asyncio.gather(
             *(r.client.health(timeout_s) for r in self.replicas), return_exceptions=True
         )
@@ -385,7 +304,9 @@ class ReplicaSet:
                 replica.up = True
                 replica.observe(reply.stats)
                 answered.append(reply)
-            elif isinstance(reply, EngineError):
+                continue
+            replica.unanswered()
+            if isinstance(reply, EngineError):
                 self.mark_down(replica)
             else:
                 raise reply
@@ -410,6 +331,7 @@ class ReplicaSet:
 
 
 def sum_stats(stats: list[EngineStats]) -> EngineStats:
-    """The replicas' counters and gauges added up (every field of EngineStats is a count)."""
-    fields = EngineStats.__struct_fields__
+    """The replicas' counters and gauges added up (every field of EngineStats but step_cost is a
+    count; step costs are each replica's own, and have no sum)."""
+    fields = [f for f in EngineStats.__struct_fields__ if f != "step_cost"]
     return EngineStats(**{f: sum(getattr(s, f) for s in stats) for f in fields})

@@ -238,9 +238,10 @@ class HTTPGateway:
                 indexes,
                 settings.block_size,
                 settings.route_kv_prompt_blocks,
-                settings.route_prefill_weight,
-                settings.route_decode_weight,
                 settings.route_kv_assume_s,
+                settings.route_kv_tie,
+                settings.route_kv_steps_ahead,
+                settings.route_kv_load_margin,
             )
             self.feed.start()
         self.client = ReplicaSet(

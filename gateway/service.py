@@ -17,7 +17,7 @@ from ..messages.client import Delta
 from ..messages.common import OutputKind, SamplingParams, max_prompt_chars
 from .client_limits import ClientLimits, client_name
 from .errors import EngineError
-from .metrics import KvIndexReading, Metrics
+from .metrics import KvIndexReading, Metrics, ReplicaReading
 from .openai_errors import RETRY_AFTER, APIError, invalid
 from .openai_logprobs import TokenNames
 from .openai_requests import ChatMessage
@@ -88,7 +88,10 @@ class Gateway:
         self.connections: set = set()
         self.metrics.watch(lambda: self.active, lambda: len(self.connections))
         self.metrics.watch_replicas(
-            lambda: [(r.index, r.routed, r.in_flight, r.up) for r in client.replicas]
+            lambda: [
+                ReplicaReading(r.index, r.routed, r.in_flight, r.up, r.step_cost)
+                for r in client.replicas
+            ]
         )
         kv = client.kv
         if kv is not None:

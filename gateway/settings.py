@@ -4,12 +4,19 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 from msgspec import Meta
 
 from ..actors.runtime.config import NOT_A_FLAG
+
+RoutePolicy = Literal["kv_events", "prefix", "round_robin"]
+ROUTE_POLICIES = get_args(RoutePolicy)
+
+
+def _unset_or(value: int | None, least: int) -> bool:
+    return value is None or value >= least
 
 
 class GatewaySettings(msgspec.Struct, kw_only=True):
@@ -119,12 +126,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
         int, Meta(description="full KV blocks of the prompt that pick its replica (at most)")
     ] = 4
     route_policy: Annotated[
-        Literal["kv_events", "prefix", "round_robin"],
+        RoutePolicy,
         Meta(
-            description="kv_events: the replica whose prefix cache holds most of the prompt "
-            "(from its KV events) against its load, prefix affinity while an index is not in "
-            "step; prefix: a prompt's first blocks pick its replica, balanced against load and "
-            "KV use; round_robin: each request to the next replica (a baseline)"
+            description="kv_events: the replica predicted to give the first token soonest, "
+            "from what its prefix cache holds (its KV events), its queue and its measured step "
+            "times; prefix affinity while an index is not in step; prefix: a prompt's first "
+            "blocks pick its replica, balanced against load and KV use; round_robin: each "
+            "request to the next replica (a baseline)"
         ),
     ] = "prefix"
     route_kv_max_blocks: Annotated[
@@ -137,20 +145,29 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     route_kv_prompt_blocks: Annotated[
         int, Meta(description="kv_events: a prompt's first blocks looked up (at most)")
     ] = 256
-    route_prefill_weight: Annotated[
+    route_kv_tie: Annotated[
         float,
         Meta(
-            description="kv_events: cost of a prompt token queued for prefill on a replica, "
-            "against a prompt token it holds cached"
+            description="kv_events: replicas whose measured step costs differ by at most this "
+            "fraction are priced alike (the difference taken for noise), so that equal work "
+            "goes to prefix affinity's pick; more, each by its own"
         ),
-    ] = 1.0
-    route_decode_weight: Annotated[
+    ] = 0.5
+    route_kv_steps_ahead: Annotated[
         float,
         Meta(
-            description="kv_events: cost of a request decoding on a replica, in prompt tokens "
-            "(it takes a slot of each step a new prompt's prefill needs)"
+            description="kv_events: steps a request arriving at a decoding replica waits for "
+            "before its own (the rest of the one running, and the one the scheduler planned "
+            "while it ran), each priced at that replica's step of its decodes"
         ),
-    ] = 16.0
+    ] = 1.5
+    route_kv_load_margin: Annotated[
+        int | None,
+        Meta(
+            description="kv_events: a replica with more than this many requests in flight above "
+            "the least-loaded one gets none, whatever its cache holds; unset: no bound"
+        ),
+    ] = None
     route_kv_assume_s: Annotated[
         float,
         Meta(
@@ -201,6 +218,40 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
             "its streams go on on another replica, or fail with one"
         ),
     ] = 10.0
+
+    def validate(self) -> None:
+        """Raise ValueError("<field> must be <limit>, got <value>") for the first setting out of
+        range, in the order of the fields."""
+        checks = [
+            ("max_concurrent_requests", _unset_or(self.max_concurrent_requests, 1), ">= 1"),
+            ("max_batch_prompts", self.max_batch_prompts >= 1, ">= 1"),
+            ("max_body_bytes", self.max_body_bytes >= 1024, ">= 1024"),
+            ("max_connections", self.max_connections >= 1, ">= 1"),
+            ("keep_alive_s", self.keep_alive_s > 0, "> 0"),
+            ("read_timeout_s", self.read_timeout_s > 0, "> 0"),
+            ("max_header_bytes", self.max_header_bytes >= 1024, ">= 1024"),
+            ("max_requests_per_socket", self.max_requests_per_socket >= 1, ">= 1"),
+            ("health_timeout_s", self.health_timeout_s > 0, "> 0"),
+            ("health_interval_s", self.health_interval_s >= 0, ">= 0"),
+            ("stats_interval_s", self.stats_interval_s >= 0, ">= 0"),
+            ("stats_window_s", self.stats_window_s > 0, "> 0"),
+            ("route_load_margin", self.route_load_margin >= 0, ">= 0"),
+            ("route_prefix_blocks", self.route_prefix_blocks >= 1, ">= 1"),
+            ("route_policy", self.route_policy in ROUTE_POLICIES, f"one of {ROUTE_POLICIES}"),
+            ("route_kv_max_blocks", self.route_kv_max_blocks >= 1, ">= 1"),
+            ("route_kv_prompt_blocks", self.route_kv_prompt_blocks >= 1, ">= 1"),
+            ("route_kv_tie", self.route_kv_tie >= 0, ">= 0"),
+            ("route_kv_steps_ahead", self.route_kv_steps_ahead >= 0, ">= 0"),
+            ("route_kv_load_margin", _unset_or(self.route_kv_load_margin, 0), ">= 0"),
+            ("route_kv_assume_s", self.route_kv_assume_s >= 0, ">= 0"),
+            ("route_kv_message_bytes", self.route_kv_message_bytes >= 1024, ">= 1024"),
+            ("route_stats_interval_s", self.route_stats_interval_s > 0, "> 0"),
+            ("route_kv_high", 0 < self.route_kv_high <= 1, "in (0, 1]"),
+            ("engine_liveness_timeout_s", self.engine_liveness_timeout_s > 0, "> 0"),
+        ]
+        for name, ok, limit in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {limit}, got {getattr(self, name)}")
 
     def accepts_model(self, name: str | None) -> bool:
         return name is None or name in (self.model_id, os.path.basename(self.model_id.rstrip("/")))

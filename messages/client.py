@@ -129,7 +129,27 @@ class ErrorReply(msgspec.Struct, tag=True, omit_defaults=True):
     request_id: str | None = None
 
 
+class StepCost(msgspec.Struct, omit_defaults=True):
+    """How long a replica's steps take, fit to the steps it ran (actors/scheduler/step_cost.py):
+
+        step seconds ~= step_s + prefill_token_s x prefill tokens + decode_row_s x decode rows
+
+    where a request's row of one token in a step is a decode row and the tokens of longer rows
+    are prefill tokens. `token_budget`: the most tokens one step computes
+    (max_num_batched_tokens). `steps`: steps the fit has seen. The defaults are the prior, what a
+    replica with no steps yet is taken to cost: 10 ms a step, 1 ms a token of either kind (only
+    their ratios matter while no replica has measured its own)."""
+
+    step_s: float = 0.01
+    prefill_token_s: float = 0.001
+    decode_row_s: float = 0.001
+    token_budget: int = 2048
+    steps: int = 0
+
+
 class EngineStats(msgspec.Struct, omit_defaults=True):
+    """The counters and gauges of one engine (every field a count but `step_cost`)."""
+
     num_running: int = 0
     num_waiting: int = 0
     num_preemptions: int = 0
@@ -148,6 +168,7 @@ class EngineStats(msgspec.Struct, omit_defaults=True):
     blocks_free: int = 0
     # prompt tokens of the running and waiting requests not computed yet (the prefill queue)
     prefill_tokens_queued: int = 0
+    step_cost: StepCost | None = None  # None: an engine that does not measure its steps
 
     @property
     def blocks_used(self) -> int:

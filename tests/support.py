@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from actorserve.gateway.client import AsyncClient, Client
+from actorserve.gateway.blocking_client import Client
+from actorserve.gateway.client import AsyncClient
 from actorserve.messages.common import SamplingParams
 
 PROMPT_LENGTHS = [1, 2, 5, 9, 16, 17, 31, 48, 64, 100, 128, 129, 200, 313, 431, 500]

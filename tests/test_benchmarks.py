@@ -63,6 +63,20 @@ def test_bench_step_times_every_op_once_and_within_the_step(llama_dir, tmp_path)
     assert all(r["ms"] > 0 and r["rows"] == 4 for r in heads.values())
 
 
+def test_bench_step_with_int8_counts_a_byte_a_projection_weight_in_its_floor(llama_dir, tmp_path):
+    rows = run_script(
+        "bench_step.py", "--model", str(llama_dir), "--num-requests", "2", "--max-prompt-len",
+        "20", "--steps", "2", "--warmup", "1", "--quantization", "int8",
+        json_path=tmp_path / "step.json",
+    )  # fmt: skip
+    (kv,) = [r for r in rows if r["table"] == "kv"]
+    shape = bc.ModelShape.read(llama_dir)
+    weights_mb = (shape.layer_matmul_params + 4 * shape.lm_head_params) / 1e6  # fp32 head
+    for r in (r for r in rows if r["table"] == "served"):
+        floor_ms = (weights_mb + kv["kv_mb_per_step"]) / (kv["streaming_read_gb_s"] * 1e3) * 1e3
+        assert r["floor_ms"] == pytest.approx(floor_ms, rel=1e-3)
+
+
 def test_bench_overhead_measures_the_ipc_round_trips_against_the_os_floor(tmp_path):
     rows = run_script(
         "bench_overhead.py", "--skip-steps", "--num-requests", "8", "--ipc-iterations", "50",

@@ -174,6 +174,23 @@ def test_a_value_out_of_range_is_refused_naming_the_field(capfd):
         EngineConfig(model="/ckpt", max_num_seqs=8, max_num_batched_tokens=4).validate()
 
 
+@pytest.mark.parametrize(
+    "flag, value, error",
+    [
+        ("--max-connections", "0", "max_connections must be >= 1, got 0"),
+        ("--read-timeout-s", "-1", "read_timeout_s must be > 0, got -1.0"),
+        ("--route-kv-high", "1.5", "route_kv_high must be in (0, 1], got 1.5"),
+        ("--max-body-bytes", "10", "max_body_bytes must be >= 1024, got 10"),
+    ],
+)
+def test_a_gateway_setting_out_of_range_is_refused_naming_the_field(
+    flag, value, error, demo_dir, capfd
+):
+    """Before anything starts: the server exits 1 with the field and the limit."""
+    assert cli.main(["serve", "--model", str(demo_dir), "--port", "0", flag, value]) == 1
+    assert error in capfd.readouterr().err
+
+
 def test_as_flags_gives_back_the_command_line_of_the_values_given():
     """What a placement hands each replica's `serve --role engine` (cli/ray_placement.py): the
     values the user gave, as flags that parse to the same values."""

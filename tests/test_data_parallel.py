@@ -78,6 +78,21 @@ def test_concurrent_requests_are_split_across_both_replicas(server, llama_dir):
     assert sum(share.values()) == 64
     assert min(share.values()) >= 16, share  # each replica >= 25%
     assert replica_counts(server, "replica_up") == {"0": 1.0, "1": 1.0}
+    # each replica's stats carry its step costs: 3 terms for each of the 2
+    assert wait_until(lambda: len(step_costs(server)) == 6, 30)
+    assert all(seconds >= 0.0 for seconds in step_costs(server).values())
+
+
+def step_costs(server) -> dict[tuple[str, str], float]:
+    """actorserve_replica_step_cost_seconds by (replica, term), after a health check (which
+    asks every replica for its stats)."""
+    call(server, "GET", "/health")
+    text = call(server, "GET", "/metrics").body.decode()
+    pattern = (
+        r'actorserve_replica_step_cost_seconds\{model_name="[^"]*",replica="(\d+)",'
+        r'term="(\w+)"\} (\S+)'
+    )
+    return {(m.group(1), m.group(2)): float(m.group(3)) for m in re.finditer(pattern, text)}
 
 
 def prefix_hits(server) -> int:

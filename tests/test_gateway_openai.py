@@ -202,7 +202,14 @@ def test_ready_pushes_a_real_token_through_every_actor_and_health_none(gateway):
 
 
 def test_metrics_expose_engine_counters_and_latency_histograms(gateway, client):
+    """Every request's end-to-end latency; a streamed one's first token and time per token too
+    (a whole completion's tokens come back at once: no first-token time to see)."""
     client.completions.create(model=gateway.model_name, prompt=PROMPT, max_tokens=5, temperature=0)
+    stream = client.completions.create(
+        model=gateway.model_name, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     reply = call(gateway, "GET", "/metrics", headers=AUTH)
     assert reply.status == 200 and reply.headers["content-type"].startswith("text/plain")
     text = reply.body.decode()

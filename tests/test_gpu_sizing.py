@@ -1,7 +1,7 @@
 """Sizing as vLLM and nano-vllm do it (actors/worker/sizing.py): the KV cache gets what
 gpu_memory_utilization leaves after a profiling step at the largest batch; swap space in GiB on
 CUDA; max_num_seqs and torch_threads default by the Worker's device, resolved once
-(EngineConfig.resolve_device) and reported to the supervisor in the Worker's Ready."""
+(config_resolution.resolve_device) and reported to the supervisor in the Worker's Ready."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from actorserve.actors.runtime.config import EngineConfig
+from actorserve.actors.runtime.config_resolution import resolve_device, resolve_model
 from actorserve.actors.worker.kv_cache import KVCache
 from actorserve.actors.worker.sizing import (
     GIB,
@@ -75,7 +76,7 @@ def test_on_cuda_blocks_come_from_num_kv_blocks_then_kv_cache_memory_gb_then_the
     monkeypatch.setattr(sizing, "profile_cuda_memory", profile)
     cuda = types.SimpleNamespace(type="cuda")
     layout = (28, 16, 8, 128)
-    config = EngineConfig(model="m").resolve_device("cuda")
+    config = resolve_device(EngineConfig(model="m"), "cuda")
     blocks = sizing.device_kv_blocks(config, None, layout, torch.bfloat16, cuda)
     assert blocks == (90 * GIB - 11 * GIB) // BLOCK_BYTES and profiled == [256]
     by_size = msgspec.structs.replace(config, kv_cache_memory_gb=2.0)
@@ -90,20 +91,20 @@ def test_on_cuda_blocks_come_from_num_kv_blocks_then_kv_cache_memory_gb_then_the
 def test_unset_max_num_seqs_and_torch_threads_resolve_by_the_device():
     unset = EngineConfig(model="m")
     assert unset.max_num_seqs is None and unset.torch_threads is None
-    cuda, cpu = unset.resolve_device("cuda"), unset.resolve_device("cpu")
+    cuda, cpu = resolve_device(unset, "cuda"), resolve_device(unset, "cpu")
     assert (cuda.max_num_seqs, cuda.torch_threads) == (256, 1)
     assert (cpu.max_num_seqs, cpu.torch_threads) == (64, os.cpu_count())
     # settings the user gave stay
-    given = EngineConfig(model="m", max_num_seqs=32, torch_threads=3).resolve_device("cuda")
+    given = resolve_device(EngineConfig(model="m", max_num_seqs=32, torch_threads=3), "cuda")
     assert (given.max_num_seqs, given.torch_threads) == (32, 3)
     # resolving twice changes nothing (the supervisor resolves what the Worker resolved)
-    assert cuda.resolve_device("cuda") == cuda
+    assert resolve_device(cuda, "cuda") == cuda
 
 
 def test_a_default_max_num_seqs_never_exceeds_the_token_budget_a_given_one_is_checked():
     small = EngineConfig(model="m", max_num_batched_tokens=100)
     small.validate()
-    resolved = small.resolve_device("cuda")
+    resolved = resolve_device(small, "cuda")
     assert resolved.max_num_seqs == 100
     resolved.validate()
     with pytest.raises(ValueError, match=r"max_num_batched_tokens must be >= max_num_seqs \(256\)"):
@@ -118,7 +119,7 @@ def test_the_profiling_step_is_the_largest_the_scheduler_can_plan(llama_dir):
     config = EngineConfig(
         model=str(llama_dir), device="cpu", num_kv_blocks=8, max_num_batched_tokens=300
     )
-    runner = build_runner(config.resolve_model())
+    runner = build_runner(resolve_model(config))
     assert runner.config.max_num_seqs == 64  # resolved for the CPU before the runner saw it
     layer = runner.kv.layers[0][0]
     layout = (len(runner.kv.layers), layer.shape[1], layer.shape[2], layer.shape[3])
@@ -143,13 +144,15 @@ def test_on_cuda_the_cache_fills_the_utilization_left_after_the_profiling_step(l
     """A small share of the device: weights, KV cache and the largest step fit in it, and the
     cache takes all but what the profiled step and the CUDA context need."""
     utilization = 0.1
-    config = EngineConfig(
-        model=str(llama_dir),
-        device="cuda",
-        gpu_memory_utilization=utilization,
-        preemption_mode="swap",
-        swap_space_gb=0.25,
-    ).resolve_model()
+    config = resolve_model(
+        EngineConfig(
+            model=str(llama_dir),
+            device="cuda",
+            gpu_memory_utilization=utilization,
+            preemption_mode="swap",
+            swap_space_gb=0.25,
+        )
+    )
     torch.cuda.empty_cache()
     with caplog.at_level("INFO", logger="worker"):
         runner = build_runner(config)

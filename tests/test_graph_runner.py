@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from actorserve.actors.runtime.config import EngineConfig
+from actorserve.actors.runtime.config_resolution import resolve_model
 from actorserve.actors.worker.block_tables import BlockTables
 from actorserve.actors.worker.flat_step import flat_step
 from actorserve.actors.worker.graph_runner import DecodeGraphs, graph_batch_sizes
@@ -30,7 +31,7 @@ def runner_for(model_dir, device: str = "cpu", num_cpu_blocks: int = 0, **settin
     config = EngineConfig(
         model=str(model_dir), device=device, torch_threads=1, cpu_fast_path=False, **settings
     )
-    config = config.resolve_model()
+    config = resolve_model(config)
     config = msgspec.structs.replace(config, num_kv_blocks=512, num_cpu_blocks=num_cpu_blocks)
     return build_runner(config)
 
@@ -206,7 +207,7 @@ def test_no_graphs_with_enforce_eager_the_fast_path_or_a_cpu_device(llama_dir):
         assert eager.prepare(eager.apply(schedule.decode())).decode_graph is None
     assert runner_for(llama_dir).capture_decode_graphs() == []  # nothing to record on a CPU
     config = EngineConfig(model=str(llama_dir), device="cpu", torch_threads=1)
-    fast = build_runner(msgspec.structs.replace(config.resolve_model(), num_kv_blocks=64))
+    fast = build_runner(msgspec.structs.replace(resolve_model(config), num_kv_blocks=64))
     if fast.fast_path is not None:
         assert fast.capture_decode_graphs(eager_replay=True) == []
 

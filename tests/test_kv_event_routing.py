@@ -4,10 +4,11 @@ replica's BlockManager says its prefix cache holds (its KV events), not on a gue
 Each test first serves a prefix on the replica that prefix affinity would *not* pick, straight
 through the SDK (so the gateway has no say), and waits until that replica's events are newer
 than the request: then a request sharing the prefix can only land there by the events. The
-cache is small (48 blocks), so that a replica evicts. The load weights are 0: where no replica
-holds a prompt's blocks it goes to prefix affinity's pick whatever the replicas' last polled
-stats say (tests/test_kv_index.py weighs load). One server for the module; the BlockManager
-SIGKILL test runs last.
+cache is small (48 blocks), so that a replica evicts. The replicas' step costs are priced alike
+(a --route-kv-tie no measure on a busy machine exceeds), so that where no replica holds a
+prompt's blocks and both are idle the work is the same on both, and it goes to prefix
+affinity's pick (tests/test_kv_routing.py weighs load and costs). One server for the module;
+the BlockManager SIGKILL test runs last.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pytest
 from gateway_support import GatewayServer, call, wait_until
 
 from actorserve import Client
-from actorserve.gateway.replicas import choose_replica, prefix_key
+from actorserve.gateway.replica_choice import choose_replica, prefix_key
 from actorserve.messages.common import SamplingParams
 from support import pids_with_command_line, prompts_of_lengths
 
@@ -33,8 +34,7 @@ FLAGS = (
     "--data-parallel-size", "2",
     "--torch-threads", "1",  # one core per replica on this 2-core machine
     "--route-policy", "kv_events",
-    "--route-prefill-weight", "0",
-    "--route-decode-weight", "0",
+    "--route-kv-tie", "100",  # the replicas' step costs priced alike, however noisy here
     "--num-kv-blocks", str(NUM_KV_BLOCKS),
     "--max-model-len", "256",
     "--health-interval-s", "0.5",

@@ -1,6 +1,7 @@
 """The pure parts of KV-event routing: the BlockPool's events follow its prefix cache exactly, a
-gateway's index of a replica follows the events (and knows when it missed some), and the score
-weighs cached prefix blocks against load (gateway/kv_index.py, gateway/kv_routing.py)."""
+gateway's index of a replica follows the events (and knows when it missed some), and the router
+counts what it routed (gateway/kv_index.py, gateway/kv_routing.py; the choice itself:
+tests/test_kv_routing.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 from actorserve.actors.block_manager.block_pool import BlockPool
 from actorserve.actors.block_manager.kv_events import KvEventLog
 from actorserve.gateway.kv_index import ReplicaIndex
-from actorserve.gateway.kv_routing import KvRouter, choose_by_cache, prompt_block_hashes
+from actorserve.gateway.kv_routing import KvRouter, prompt_block_hashes
 from actorserve.gateway.replicas import ReplicaSet
 from actorserve.messages.blocks import BlockNeed
 from actorserve.messages.client import Delta
@@ -132,26 +133,9 @@ def test_a_replica_of_another_block_size_is_never_usable():
     assert index.in_step and not index.usable
 
 
-def test_the_score_weighs_cached_blocks_against_queued_prefill_and_decodes():
-    usable = [True, True]
-    # replica 0 holds 8 of the prompt's blocks, replica 1 none: 0, however it is loaded up to
-    # 8 blocks' worth of work
-    assert choose_by_cache([8, 0], [7 * BS, 0], [0, 0], usable, BS, 1.0, 1.0) == 0
-    assert choose_by_cache([8, 0], [9 * BS, 0], [0, 0], usable, BS, 1.0, 1.0) == 1
-    assert choose_by_cache([8, 0], [0, 0], [9 * BS, 0], usable, BS, 1.0, 1.0) == 1
-    assert choose_by_cache([8, 0], [0, 0], [9, 0], usable, BS, 1.0, BS) == 1
-    # ties go to the affine replica; replicas down or over kv_high are skipped
-    assert choose_by_cache([0, 0], [0, 0], [0, 0], usable, BS, 1.0, 1.0, affine=1) == 1
-    assert choose_by_cache([8, 0], [0, 0], [0, 0], [False, True], BS, 1.0, 1.0) == 1
-    assert (
-        choose_by_cache([8, 0], [0, 0], [0, 0], usable, BS, 1.0, 1.0, None, [0.95, 0.1], 0.9) == 1
-    )
-    assert choose_by_cache([0, 0], [0, 0], [0, 0], [False, False], BS, 1.0, 1.0) is None
-
-
 def test_the_router_is_ready_only_while_every_usable_replica_index_is():
     indexes = [ReplicaIndex(100, BS), ReplicaIndex(100, BS)]
-    router = KvRouter(indexes, BS, 64, 1.0, 1.0, assume_s=30.0)
+    router = KvRouter(indexes, BS, 64, assume_s=30.0)
     indexes[0].apply(KvSnapshot(0, 0, 1.0, BS, []))
     assert not router.ready([True, True])
     assert router.ready([True, False])  # the one without an index is down
@@ -164,11 +148,12 @@ def test_a_routed_prompt_counts_as_cached_there_until_its_blocks_are_removed():
     indexes = [ReplicaIndex(100, BS), ReplicaIndex(100, BS)]
     for index in indexes:
         index.apply(KvSnapshot(0, 0, 1.0, BS, []))
-    router = KvRouter(indexes, BS, 64, 1.0, 1.0, assume_s=30.0)
+    router = KvRouter(indexes, BS, 64, assume_s=30.0)
     hashes = router.hashes(list(range(5 * BS)), None)
-    assert router.choose(hashes, [True, True], [0, 0], [0, 0], affine=0) == 0
+    idle = ([True, True], [0, 0], [0, 0], [None, None])
+    assert router.choose(hashes, 5 * BS, *idle, affine=0) == 0
     router.routed(1, hashes)  # sent to 1 all the same (say, 0 was loaded)
-    assert router.choose(hashes, [True, True], [0, 0], [0, 0], affine=0) == 1
+    assert router.choose(hashes, 5 * BS, *idle, affine=0) == 1
     indexes[1].apply(KvEventBatch(0, 1, 2.0, [BlocksRemoved(hashes[:1])]))
     assert indexes[1].cached_prefix_blocks(hashes) == 0
 
@@ -198,7 +183,7 @@ def test_a_replica_set_routes_on_the_indexes_and_counts_prefill_until_the_first_
     indexes = [ReplicaIndex(100, BS), ReplicaIndex(100, BS)]
     indexes[0].apply(KvSnapshot(0, 0, 1.0, BS, []))
     indexes[1].apply(KvSnapshot(0, 0, 1.0, BS, prompt_block_hashes(prompt, BS, None, 64)))
-    router = KvRouter(indexes, BS, 64, prefill_weight=1.0, decode_weight=0.0, assume_s=0.0)
+    router = KvRouter(indexes, BS, 64, assume_s=0.0)
     clients = [SlowClient(), SlowClient()]
 
     async def run() -> list[int]:

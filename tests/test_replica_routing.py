@@ -1,5 +1,6 @@
-"""The gateway's replica routing (gateway/replicas.py), without processes: prefix keys, the
-rendezvous choice against load, replicas that are down, and a stream's failover as a resumption."""
+"""The gateway's replica routing (gateway/replicas.py, replica_choice.py), without processes:
+prefix keys, the rendezvous choice against load, replicas that are down, and a stream's failover
+as a resumption."""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ import random
 import pytest
 
 from actorserve.gateway.errors import EngineError, EngineUnavailable
-from actorserve.gateway.replicas import (
-    ReplicaSet,
+from actorserve.gateway.replica_choice import (
     choose_replica,
     next_in_turn,
     prefix_key,
     replica_load,
-    sum_stats,
 )
+from actorserve.gateway.replicas import ReplicaSet, sum_stats
 from actorserve.gateway.request_stream import RequestStream
 from actorserve.messages.client import (
     Delta,

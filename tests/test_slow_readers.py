@@ -30,7 +30,7 @@ from gateway_support import (
 )
 from websockets.asyncio.client import connect
 
-from actorserve.gateway.client import Client
+from actorserve.gateway.blocking_client import Client
 from actorserve.messages.client import GenerateRequest, Ping
 from actorserve.messages.codec import encode
 from actorserve.messages.common import SamplingParams

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from actorserve.actors.runtime.config import EngineConfig
+from actorserve.actors.runtime.config_resolution import resolve_model
 from actorserve.actors.worker.block_tables import BlockTables
 from actorserve.actors.worker.worker import build_runner
 from actorserve.messages.common import SamplingParams
@@ -21,7 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 def new_runner(llama_dir, num_kv_blocks: int = 32):
     config = EngineConfig(model=str(llama_dir), device="cpu", torch_threads=1)
     config = msgspec.structs.replace(
-        config.resolve_model(), num_kv_blocks=num_kv_blocks, num_cpu_blocks=0
+        resolve_model(config), num_kv_blocks=num_kv_blocks, num_cpu_blocks=0
     )
     runner = build_runner(config)
     assert runner.fast_path is not None, "the CPU kernels could not be built (no C compiler?)"

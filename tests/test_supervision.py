@@ -23,7 +23,8 @@ from actorserve.actors.runtime.addresses import WORKER_STEPS
 from actorserve.actors.runtime.config import EngineConfig
 from actorserve.actors.supervisor.background import BackgroundSupervisor
 from actorserve.cli import main as cli
-from actorserve.gateway.client import AsyncClient, Client
+from actorserve.gateway.blocking_client import Client
+from actorserve.gateway.client import AsyncClient
 from actorserve.gateway.errors import EngineError
 from actorserve.messages.blocks import AllocateStep, BlockNeed
 from actorserve.messages.codec import encode

@@ -19,6 +19,7 @@ from actorserve.actors.engine.detokenizer import (
     incremental_detokenizer,
 )
 from actorserve.actors.runtime.config import EngineConfig
+from actorserve.actors.runtime.config_resolution import resolve_model
 from actorserve.actors.runtime.tokenizer import Tokenizer
 from actorserve.weights.checkpoints import ensure_checkpoint
 
@@ -166,7 +167,7 @@ def test_a_checkpoint_without_tokenizer_json_is_refused_naming_the_file(tmp_path
     (tmp_path / "tokenizer.model").write_bytes(b"a slow tokenizer's sentencepiece model")
     missing = f"{tmp_path / 'tokenizer.json'} is missing"
     with pytest.raises(ValueError, match=re.escape(missing)):
-        EngineConfig(model=str(tmp_path)).resolve_model()
+        resolve_model(EngineConfig(model=str(tmp_path)))
     with pytest.raises(ValueError, match=re.escape(missing)):
         Tokenizer.from_dir(tmp_path)
 
