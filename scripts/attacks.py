@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from actorserve.gateway.client import Client
+from actorserve.gateway.blocking_client import Client
 from actorserve.gateway.errors import EngineError
 from actorserve.messages.common import SamplingParams
 from actorserve.weights.checkpoints import ensure_checkpoint

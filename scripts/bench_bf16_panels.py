@@ -1,6 +1,7 @@
 """The bf16 panel product (kernels/cpu/csrc/cpu_panel_gemm_bf16.c) against torch's F.linear over
 a decoder's projection weights in bf16, at decode-sized row counts; with --formats, the fp32,
-bf16 and int8 panel products (cpu_panel_gemm.c, _bf16.c, _int8.c) of single weights side by side.
+bf16, int8 and bf16-weight (fp32 rows) panel products (cpu_panel_gemm.c, _bf16.c, _int8.c,
+_bf16_weights.c) of single weights side by side.
 
     python scripts/bench_bf16_panels.py [--hidden 1024 --inter 2816 --heads 16 --kv-heads 8
         --layers 24] [--rows 1 16 64] [--reps 5] [--json PATH]
@@ -16,7 +17,8 @@ and the bandwidth its weight bytes imply, for both, and the ratio.
 FORMATS_BYTES (far past the caches: each product reads its weight from memory, as a decode step
 does), run once each per rep; per product of each format: GB/s (the bytes of its panels, scales
 included, over the time) and GFLOP/s (2 M N K over the time). bf16 only where the CPU has bf16
-products (panels.py packs none elsewhere).
+products (panels.py packs none elsewhere); bf16w (quantization bf16: bf16 weights, fp32 rows)
+everywhere.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def formats(args) -> list[dict]:
     """The --formats table (module docstring): one row per weight shape and row count."""
     results = []
     print(f"torch threads {torch.get_num_threads()}; GB/s of panel bytes, GFLOP/s")
-    kinds = ["fp32", "bf16", "int8"] if cpu_has_bf16() else ["fp32", "int8"]
+    kinds = ["fp32", "bf16", "int8", "bf16w"] if cpu_has_bf16() else ["fp32", "int8", "bf16w"]
     header = ["weight", "rows"] + [f"{k} {unit}" for k in kinds for unit in ("ms", "GB/s", "GF/s")]
     print(" ".join(f"{h:>10}" for h in header))
     for shape in args.weights:
@@ -77,6 +79,7 @@ def formats(args) -> list[dict]:
             if "bf16" in kinds
             else [],
             "int8": [PanelLinear.for_weight(w, int8=True) for w in weights],
+            "bf16w": [PanelLinear.for_weight(w, bf16_weights=True) for w in weights],
         }
         del weights
         for rows in args.rows:
@@ -119,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", metavar="PATH")
-    parser.add_argument("--formats", action="store_true", help="fp32 / bf16 / int8 panels")
+    parser.add_argument(
+        "--formats", action="store_true", help="fp32 / bf16 / int8 / bf16-weight panels"
+    )
     parser.add_argument("--threads", type=int, help="torch (and kernel) threads; default torch's")
     parser.add_argument("--weights", nargs="+", default=["1024x1024", "1024x4096"], help="NxK")
     args = parser.parse_args(argv)

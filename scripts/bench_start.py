@@ -22,7 +22,7 @@ import time
 
 from bench_common import write_json
 
-from actorserve.gateway.client import Client
+from actorserve.gateway.blocking_client import Client
 from actorserve.gateway.errors import EngineError
 
 VICTIMS = ("scheduler", "block_manager", "engine", "gateway", "worker")

@@ -17,12 +17,14 @@ steps, in the "served" table.
 The LM head and greedy sampling are then timed both ways on the same hidden states: fused, and
 as the GEMM (`compute_logits`) followed by the argmax over the logits (`argmax_rows`). The
 projections run on their packed panels (kernels/cpu/panels.py), as served; with
-`--mkl-projections` on MKL instead, for comparison.
+`--mkl-projections` on MKL instead, for comparison; with `--quantization int8` or `bf16`
+(EngineConfig.quantization) on int8 or bf16-weight panels, as served with that setting.
 
 Decode attention reads every context's K/V once a layer, so it is also reported as bytes a step
 and the bandwidth they imply, next to a plain read of as many bytes from memory (not in cache),
 measured in the same run. The served step is compared with its memory floor: the weights (in the
-model's dtype) and the step's K/V read once at that speed.
+model's dtype, the projections' in their quantized one: a byte a weight for int8, two for bf16)
+and the step's K/V read once at that speed.
 Compare the step with bench_overhead.py's step period: the difference is what the other actors'
 CPU and the messages cost on this machine.
 """
@@ -88,15 +90,18 @@ def instrument(runner, timer: OpTimer) -> None:
     runner.prepare = timer.wrap("input preparation", runner.prepare)
 
 
-def build(model_dir: Path, prompts: list[list[int]], decode_steps: int):
+def build(model_dir: Path, prompts: list[list[int]], decode_steps: int, quantization: str):
     """The Worker's own runner (actors/worker/worker.py build_runner), on the CPU, with a KV
-    cache that holds every prompt plus its decode steps -> (runner, blocks per prompt)."""
+    cache that holds every prompt plus its decode steps and EngineConfig.quantization
+    `quantization` -> (runner, blocks per prompt)."""
     import msgspec
 
     from actorserve.actors.runtime.config import EngineConfig
+    from actorserve.actors.runtime.config_resolution import resolve_model
     from actorserve.actors.worker.worker import build_runner
 
-    config = EngineConfig(model=str(model_dir), device="cpu").resolve_model()
+    config = EngineConfig(model=str(model_dir), device="cpu", quantization=quantization)
+    config = resolve_model(config)
     bs = config.block_size
     blocks = [(len(p) + decode_steps + 1 + bs - 1) // bs for p in prompts]
     config = msgspec.structs.replace(config, num_kv_blocks=sum(blocks), num_cpu_blocks=0)
@@ -246,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the projections on MKL (F.linear) instead of their packed panels, to compare",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=("none", "int8", "bf16"),
+        default="none",
+        help="EngineConfig.quantization: the projections in int8 or bf16-weight panels",
+    )
     bc.add_common_flags(parser)
     args = parser.parse_args(argv)
 
@@ -260,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         args.num_requests, args.seed, (16, args.max_prompt_len), (1, 1), vocab
     )
     prompts = [r.prompt_ids for r in workload]
-    runner, blocks = build(model_dir, prompts, 3 * (args.warmup + args.steps))
+    runner, blocks = build(model_dir, prompts, 3 * (args.warmup + args.steps), args.quantization)
     if args.mkl_projections:
         projections_on_mkl(runner.model)
     timer = OpTimer()
@@ -308,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     # The memory floor of a decode step: its weights (projections and LM head, in the model's
     # dtype) and its K/V, each read once at the measured read speed.
-    weight_bytes = runner.model.lm_head_weight().element_size() * (
-        shape.layer_matmul_params + shape.lm_head_params
-    )
+    dtype_bytes = runner.model.lm_head_weight().element_size()
+    projection_bytes = {"int8": 1, "bf16": 2}.get(args.quantization, dtype_bytes)
+    weight_bytes = projection_bytes * shape.layer_matmul_params + dtype_bytes * shape.lm_head_params
     floor_ms = (weight_bytes + mean_kv) / (read_gb_s * 1e9) * 1e3
     for row in served_rows:
         row["floor_ms"], row["x_floor"] = floor_ms, row["ms"] / floor_ms

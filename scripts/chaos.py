@@ -28,7 +28,8 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-from actorserve.gateway.client import AsyncClient, Client
+from actorserve.gateway.blocking_client import Client
+from actorserve.gateway.client import AsyncClient
 from actorserve.gateway.errors import EngineError
 from actorserve.messages.common import SamplingParams
 from actorserve.weights.checkpoints import ensure_checkpoint

@@ -84,12 +84,13 @@ def build(model_dir: Path, device: str, enforce_eager: bool, sizes: SweepSizes):
     import msgspec
 
     from actorserve.actors.runtime.config import EngineConfig
+    from actorserve.actors.runtime.config_resolution import resolve_model
     from actorserve.actors.worker.worker import build_runner
 
-    config = EngineConfig(
+    config = resolve_model(EngineConfig(
         model=str(model_dir), device=device, enforce_eager=enforce_eager,
         max_num_seqs=max(sizes.batches),
-    ).resolve_model()  # fmt: skip
+    ))  # fmt: skip
     steps = len(sizes.batches) * (sizes.warmup + sizes.steps + sizes.profiled)
     per_request = math.ceil((max(sizes.contexts) + steps + 1) / config.block_size)
     config = msgspec.structs.replace(

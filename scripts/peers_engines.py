@@ -7,14 +7,17 @@ the peers folder (scripts/peers_setup.sh makes it, default `.peers/` of the repo
     llama.cpp/            llama.cpp's source tree, built (build/bin/llama-server)
     gguf/NAME-TYPE.gguf   each checkpoint converted (by peers_gguf.py, on first use)
 
-Precisions (one name across engines): fp32, bf16 and int8: actorserve `--dtype float32 /
-bfloat16` (int8: `--quantization int8` over bf16, where this actorserve has the flag), vLLM
-`--dtype float32 / bfloat16` (no int8 row: its CPU int8 needs a checkpoint quantized ahead of
-time), llama.cpp's GGUF f32 / bf16 / q8_0 with its K/V cache at f32 / bf16 / bf16.
+Precisions (one name across engines): fp32, bf16, bf16w and int8: actorserve `--dtype float32 /
+bfloat16` (int8 and bf16w: `--quantization int8 / bf16` under `--dtype float32`: fp32
+activations between the projections, K/V in fp32; a row only where this actorserve has the
+value; bf16w is actorserve's alone), vLLM `--dtype float32 / bfloat16` (no int8 row: its CPU
+int8 needs a checkpoint quantized ahead of time), llama.cpp's GGUF f32 / bf16 / q8_0 with its
+K/V cache at f32 / bf16 / bf16.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -30,14 +33,17 @@ from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
 ENGINES = ("actorserve", "vllm", "vllm-2t", "llama.cpp")
-PRECISIONS = ("fp32", "bf16", "int8")
-TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "int8": "bfloat16"}
+PRECISIONS = ("fp32", "bf16", "bf16w", "int8")
+TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "bf16w": "float32", "int8": "float32"}
+# actorserve's weight-only --quantization of a precision
+QUANTIZATION = {"bf16w": "bf16", "int8": "int8"}
 GGUF_TYPE = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0"}
 LLAMA_KV_TYPE = {"fp32": "f32", "bf16": "bf16", "int8": "bf16"}
 # bytes of a weight value and of a K or V value, for the floor (q8_0: 34 bytes a block of 32)
-WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0}
+WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "bf16w": 2.0, "int8": 1.0}
 LLAMA_WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 34 / 32}
-KV_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 2.0}
+KV_BYTES = {"fp32": 4.0, "bf16": 2.0, "bf16w": 4.0, "int8": 4.0}  # weight-only: fp32 K/V
+LLAMA_KV_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 2.0}  # LLAMA_KV_TYPE
 
 
 @dataclass(frozen=True)
@@ -90,9 +96,12 @@ class Peers:
 def missing(engine: str, precision: str, peers: Peers) -> str | None:
     """Why `engine` cannot run at `precision` here (the row's note), or None."""
     if engine == "actorserve":
-        if precision == "int8" and not actorserve_has_int8():
-            return "this actorserve has no --quantization int8"
+        wanted = QUANTIZATION.get(precision)
+        if wanted and wanted not in actorserve_quantizations():
+            return f"this actorserve has no --quantization {wanted}"
         return None
+    if precision == "bf16w":
+        return "actorserve's alone: bf16 weights, fp32 math"
     if engine.startswith("vllm"):
         if precision == "int8":
             return "vLLM's CPU int8 needs a checkpoint quantized ahead of time"
@@ -104,12 +113,15 @@ def missing(engine: str, precision: str, peers: Peers) -> str | None:
     return None
 
 
-def actorserve_has_int8() -> bool:
+@functools.cache
+def actorserve_quantizations() -> tuple[str, ...]:
+    """The values this actorserve's `serve --quantization` takes (asked once a run: each ask
+    starts a Python that imports the CLI)."""
     help_text = subprocess.run(
         [sys.executable, "-m", "actorserve.cli", "serve", "--help"], capture_output=True, text=True
     ).stdout
     found = re.search(r"--quantization \{([^}]*)\}", help_text)
-    return bool(found and "int8" in found.group(1).split(","))
+    return tuple(found.group(1).split(",")) if found else ()
 
 
 def peer_env(engine: str, threads: int, kv_cache_gb: int) -> dict[str, str]:
@@ -196,8 +208,9 @@ class ActorserveServer:
         from bench_serving import Server
 
         flags = ["--dtype", TORCH_DTYPE[precision], "--kv-cache-memory-gb", str(args.kv_cache_gb)]
-        if precision == "int8":
-            flags += ["--quantization", "int8"]
+        if precision in QUANTIZATION:
+            flags += ["--quantization", QUANTIZATION[precision]]
+        flags += args.actorserve_flags.split()
         start = time.perf_counter()
         self.server = Server(model_dir, args.threads, args.ready_timeout_s, flags)
         self.port = self.server.port
@@ -275,7 +288,7 @@ def run_offline(engine: str, precision: str, model_dir: Path, job: dict, args, t
         "model": str(model_dir),
         "dtype": TORCH_DTYPE[precision],
         "threads": args.threads,
-        "quantization": "int8" if precision == "int8" else None,
+        "quantization": QUANTIZATION.get(precision),
     }
     job_path, out = tmp / f"{engine}-{precision}-job.json", tmp / f"{engine}-{precision}.json"
     job_path.write_text(json.dumps(job))

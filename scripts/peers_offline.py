@@ -4,12 +4,12 @@ the project and reads everything it needs from a JSON file.
 
     python scripts/peers_offline.py --engine actorserve|vllm --job JOB.json --out RESULT.json
 
-JOB.json: {"model": DIR, "dtype": "float32"|"bfloat16", "threads": N, "quantization": "int8"|null,
-"probe": [token ids], "probe_tokens": K, "workloads": [{"prompts": [[ids], ...],
+JOB.json: {"model": DIR, "dtype": "float32"|"bfloat16", "threads": N, "quantization":
+"int8"|"bf16"|null, "probe": [token ids], "probe_tokens": K, "workloads": [{"prompts": [[ids], ...],
 "output_lens": [n, ...]}, ...]}. The engine is built once (start-up: constructor to return),
 generates K greedy tokens after the probe prompt (bench_peers compares them with transformers'),
-warms up on 4 short prompts sharing no prefix with the workloads, then runs each workload in
-turn: every request greedy, ignore_eos, its own max_tokens. RESULT.json: {"startup_s",
+warms up on 4 short prompts sharing no prefix with the workloads, then runs each workload in turn:
+every request greedy, ignore_eos, its own max_tokens. RESULT.json: {"startup_s",
 "probe_ids", "runs": [{"wall_s", "output_tokens", "short"}, ...]}; `short` counts requests
 that came back with fewer tokens than asked.
 

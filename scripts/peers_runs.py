@@ -30,12 +30,23 @@ class CompletionsDoor(GatewayDoor):
             record.output_tokens = getattr(record, "seen", 0)
 
 
-def agreement(got: list | str, want: list | str) -> str:
-    """'same', or how far the two agree (tokens for id lists, characters for text)."""
+def agreement(got: list | str, want: list | str, bf16: list | str | None = None) -> str:
+    """'same', or how far `got` and `want` agree (tokens for id lists, characters for text); for
+    a bf16 row (`bf16`: transformers' own tokens in bf16) its agreement with those where that
+    is the longer: 'same as bf16', or 'N/M ... of bf16'."""
     if got == want:
         return "same"
-    n = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    return f"{n}/{len(want)} {'chars' if isinstance(want, str) else 'tokens'}"
+    unit = "chars" if isinstance(want, str) else "tokens"
+    agreed = _common_prefix(got, want)
+    if bf16 is not None and _common_prefix(got, bf16) > agreed:
+        if got == bf16:
+            return "same as bf16"
+        return f"{_common_prefix(got, bf16)}/{len(bf16)} {unit} of bf16"
+    return f"{agreed}/{len(want)} {unit}"
+
+
+def _common_prefix(a: list | str, b: list | str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def probe_text(port: int, prompt: list[int], tokens: int) -> str:
@@ -101,7 +112,7 @@ def serve_rows(
     """One engine at one precision at every concurrency: one start (llama.cpp: one a point, its
     slots are the concurrency)."""
     groups = [[c] for c in args.concurrency] if engine == "llama.cpp" else [args.concurrency]
-    prompt, ref_ids, ref_text = reference
+    bf16_text = reference.bf16_text if precision == "bf16" else None
     label = bc.model_label(args.model)
     rows, greedy = [], None
     for group in groups:
@@ -115,7 +126,8 @@ def serve_rows(
         try:
             print(f"    ready in {server.startup_s:.1f} s", flush=True)
             if greedy is None:
-                greedy = agreement(probe_text(server.port, prompt, len(ref_ids)), ref_text)
+                text = probe_text(server.port, reference.prompt, len(reference.ids))
+                greedy = agreement(text, reference.text, bf16_text)
             for row in asyncio.run(serve_points(server.port, group, args, vocab)):
                 rows.append({**row, "startup_s": server.startup_s, "greedy": greedy})
         except Exception as exc:  # noqa: BLE001
@@ -130,12 +142,11 @@ def offline_rows(
     engine: str, precision: str, model_dir: Path, reference, args, vocab: int, tmp: Path
 ) -> list[dict]:
     """One engine's offline LLM at one precision on each prompt count, one start for all."""
-    prompt, ref_ids, _ = reference
     loads = args.offline_prompts
     workloads = [offline_workload(args, n, vocab) for n in loads]
     job = {
-        "probe": prompt,
-        "probe_tokens": len(ref_ids),
+        "probe": reference.prompt,
+        "probe_tokens": len(reference.ids),
         "workloads": [
             {"prompts": [r.prompt_ids for r in w], "output_lens": [r.output_len for r in w]}
             for w in workloads
@@ -159,7 +170,11 @@ def offline_rows(
                 "duration_s": run["wall_s"],
                 "short": run["short"],
                 "startup_s": result["startup_s"],
-                "greedy": agreement(result["probe_ids"], ref_ids),
+                "greedy": agreement(
+                    result["probe_ids"],
+                    reference.ids,
+                    reference.bf16_ids if precision == "bf16" else None,
+                ),
             }
         )
         print(f"    {n} prompts: {rows[-1]['output_throughput']:.1f} tok/s", flush=True)
