@@ -9,12 +9,17 @@ only inside the method that asks Ray for its node's address, and runs in the Ray
   its one authorized client) into a private 0700 directory, pick a free port on the node's
   address as Ray knows it (127.0.0.1 on a local cluster), start the engine there, and return
   its client address once the engine says it serves (`actorserve: serving MODEL at ADDRESS`).
-- The engine's process dies with the Ray actor: it is started by `python -m
-  actorserve.cli.ray_replica PARENT_PID serve ...` (this module's `main`), which sets
-  PR_SET_PDEATHSIG (SIGKILL) before it runs the command. PR_SET_PDEATHSIG fires when the
-  *thread* that started the process ends, so a keeper thread of its own starts it and lives as
-  long as it does (a Ray actor's methods may run on pool threads). The engine's actors die with
-  the engine's supervisor in turn: nothing outlives the Ray actor.
+- The engine's process dies with the Ray actor, and its key directory with it: it runs under
+  a keeper, `python -m actorserve.cli.ray_replica PARENT_PID KEYS_DIR serve ...` (this module's
+  `main`), which asks for SIGHUP when the Ray actor's thread that started it ends
+  (PR_SET_PDEATHSIG fires when the *thread* ends, so a thread of the Ray actor's own starts it
+  and lives as long as it does: a Ray actor's methods may run on pool threads). On SIGHUP the
+  keeper SIGKILLs the engine; on SIGTERM (`stop`) it passes it on; when the engine has exited
+  it removes the key directory (the engine reads its keys again whenever its supervisor
+  restarts the Engine, so they stay while it lives) and ends as the engine did (its code, or
+  its signal). The engine dies with the keeper in turn (its own PR_SET_PDEATHSIG, SIGKILL), and
+  its actors with its supervisor: nothing outlives the Ray actor, and no secret key stays on
+  the node after a SIGKILL of the Ray actor.
 - `wait_exit` returns when the engine's process has exited (its exit code): the placement
   watches that, and the Ray actor's own death (the call fails), to replace the replica.
 - `stop`: SIGTERM (the engine drains and exits 0), SIGKILL after `timeout_s`.
@@ -94,7 +99,8 @@ class ReplicaHost:
     def _keep(self, command: list[str]) -> None:
         """Start the engine, echo its output to our stderr (Ray's log), and wait for its end.
         Runs on a thread of its own that ends with the engine (PR_SET_PDEATHSIG: the module doc)."""
-        module = [sys.executable, "-m", "actorserve.cli.ray_replica", str(os.getpid())]
+        keeper = [sys.executable, "-m", "actorserve.cli.ray_replica", str(os.getpid())]
+        module = [*keeper, self.keys_dir or ""]
         self.process = subprocess.Popen(
             [*module, *command],
             stdin=subprocess.DEVNULL,
@@ -156,16 +162,46 @@ def write_private(path: str, data: bytes) -> None:
         f.write(data)
 
 
-def main(argv: list[str]) -> int:
-    """`python -m actorserve.cli.ray_replica PARENT_PID serve ...`: die with PARENT_PID's
-    thread that started us (SIGKILL), then become `actorserve serve ...` (exec: the
-    parent-death signal stays set across it)."""
-    parent_pid, command = int(argv[0]), argv[1:]
+def die_with_parent(signum: int) -> None:
+    """Ask the kernel for `signum` when the thread that started this process ends (Linux)."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # it died before the prctl
-        return 1
-    os.execv(sys.executable, [sys.executable, "-m", "actorserve.cli", *command])
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
+
+
+def main(argv: list[str]) -> int:
+    """`python -m actorserve.cli.ray_replica PARENT_PID KEYS_DIR serve ...`: keep `actorserve
+    serve ...` while PARENT_PID's thread that started us lives (the module doc)."""
+    parent_pid, keys_dir, command = int(argv[0]), argv[1], argv[2:]
+    engine: subprocess.Popen | None = None
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if engine is None:  # before the engine started (one that is starting dies with us)
+            raise SystemExit(1)
+        if signum == signal.SIGHUP:
+            engine.kill()
+        else:
+            engine.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    die_with_parent(signal.SIGHUP)
+    try:
+        if os.getppid() != parent_pid:  # it died before the prctl
+            return 1
+        engine = subprocess.Popen(
+            [sys.executable, "-m", "actorserve.cli", *command],
+            # a preexec_fn is safe here: the keeper has one thread
+            preexec_fn=lambda: die_with_parent(signal.SIGKILL),
+        )
+        code = engine.wait()
+    finally:
+        if keys_dir:
+            shutil.rmtree(keys_dir, ignore_errors=True)
+    if code < 0:  # end as the engine did: ReplicaHost reports its code
+        if -code != signal.SIGKILL:  # (SIGKILL's action cannot be set, nor needs to be)
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
 
 
 if __name__ == "__main__":

@@ -138,14 +138,21 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def engine_tree(address: str) -> tuple[int, int, set[int]]:
+def engine_tree(address: str) -> tuple[int, int, set[int], str]:
     """The replica serving at `address`: (its Ray actor's worker process, its engine's
-    supervisor, that supervisor's actors)."""
+    supervisor, that supervisor's actors, the directory of its keys). The supervisor's parent
+    is its keeper (cli/ray_replica.py `main`), whose parent is the Ray actor's worker."""
     table = processes()
     needle = f"--role\0engine\0--address\0{address}\0".encode()
-    [supervisor] = [p for p, (_, cmd) in table.items() if needle in cmd]
+    [supervisor] = [
+        p for p, (parent, cmd) in table.items() if needle in cmd and b"ray_replica" not in cmd
+    ]
+    keeper = table[supervisor][0]
+    assert b"actorserve.cli.ray_replica" in table[keeper][1]
     actors = {p for p, (parent, _) in table.items() if parent == supervisor}
-    return table[supervisor][0], supervisor, actors
+    argv = table[supervisor][1].split(b"\0")
+    keys = os.path.dirname(argv[argv.index(b"--curve-server-key") + 1].decode())
+    return table[keeper][0], supervisor, actors, keys
 
 
 def streams(server, prompts, fault=None) -> list[tuple[str, str] | None]:
@@ -191,7 +198,7 @@ def test_streams_of_a_replica_whose_engine_tree_is_sigkilled_end_as_without_the_
     server, fault_free
 ):
     prompts, expected = fault_free
-    ray_worker, supervisor, actors = engine_tree(server.addresses[0])
+    ray_worker, supervisor, actors, _ = engine_tree(server.addresses[0])
     assert len(actors) == 4  # engine, scheduler, block manager, worker
     mark = len(server.log())
 
@@ -211,7 +218,8 @@ def test_streams_of_a_replica_whose_engine_tree_is_sigkilled_end_as_without_the_
 
 def test_streams_of_a_replica_whose_ray_actor_dies_end_as_without_the_fault(server, fault_free):
     prompts, expected = fault_free
-    ray_worker, supervisor, actors = engine_tree(server.addresses[1])
+    ray_worker, supervisor, actors, keys = engine_tree(server.addresses[1])
+    assert os.path.isfile(os.path.join(keys, "server.key_secret"))
     mark = len(server.log())
 
     def kill_ray_actor_of_replica_1() -> None:
@@ -222,8 +230,10 @@ def test_streams_of_a_replica_whose_ray_actor_dies_end_as_without_the_fault(serv
     assert routed(server) - before > len(prompts)  # replica 1's streams were resumed
     lost = "replica 1 lost: Ray lost its actor"
     assert wait_until(lambda: lost in server.log()[mark:], 60), server.log()[mark:]
-    # the engine's tree died with its Ray actor (PR_SET_PDEATHSIG, then the actors' own)
+    # the engine's tree died with its Ray actor (its keeper's PR_SET_PDEATHSIG, then the
+    # engine's and the actors' own), and its secret key with it
     assert wait_until(lambda: not {supervisor, *actors} & set(processes()), 15)
+    assert wait_until(lambda: not os.path.exists(keys), 15)
     server.addresses[1] = wait_until(lambda: back_at(server, 1, mark), 120)
     assert server.addresses[1] is not None, server.log()[mark:]
     assert wait_until(lambda: serves_on_every_replica(server, prompts[0]), 30)
