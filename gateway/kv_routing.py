@@ -1,5 +1,6 @@
 """Routing on what each replica's prefix cache holds against how busy it is (`route_policy`
-kv_events): the replica predicted to give a request its first token soonest. Pure.
+kv_events): the replica where a request is predicted to add the least latency, its own first
+token first. Pure.
 
 A request's chain (`prompt_block_hashes`) is the one the BlockManager looks up for it:
 actors/runtime/block_hash.py's hashes of its full blocks from its cache salt's root, leaving at
@@ -32,11 +33,32 @@ difference noise in their measures, and are all priced at their mean: their pred
 differ by their work alone. Replicas that differ more (another kind of machine) are each priced
 by its own. Equal predictions go to prefix affinity's pick (`affine`) when it is one of them, so
 that a prefix seen nowhere starts on one replica; else the least predicted takes the request.
+
+The request's first token is not all it costs a replica (`added_latency`, what the gateway
+routes on): its rows then share `out_tokens - 1` decode steps with the rows decoding there
+(`Decoding`), each of its steps slowed by theirs and each of theirs by its. Priced by its first
+token alone, a request goes where its prompt is cached however many rows decode there, and each
+hot prefix stays on the replica that first computed it while another replica idles, its steps
+short, for the requests that arrive next. Priced by its own latency to its last token and the
+seconds its rows add to the steps of the rows beside it, a cached prefix wins while the loads
+are close and loses to a replica decoding fewer rows once the slower steps outweigh the
+prefill it saves:
+
+    shared = row-steps the rows there decode beside its out_tokens - 1 steps
+             (each known row: min(its tokens left, out_tokens - 1); another gateway's: all)
+    added  = ttft + (out_tokens - 1) x (step_s + rows x decode_row_s) + shared x decode_row_s
+                  + rows x shared x decode_row_s
+
+Not priced: the step its prefill stalls for the rows decoding there (a one-off in their
+inter-token latency, which also buys a second replica holding the prefix for the requests that
+share it next).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import msgspec
 
 from ..actors.runtime.block_hash import chain_hashes, chain_root
 from ..messages.client import StepCost
@@ -68,6 +90,40 @@ def predicted_ttft(
     return tokens * cost.prefill_token_s + (ahead + steps) * step
 
 
+class Decoding(msgspec.Struct, frozen=True):
+    """The decode rows a request would share its steps with on a replica: `tokens_left` of each
+    row of this gateway's requests there (max_tokens less the tokens streamed, one entry a
+    sample; those still waiting for their first token included), and `unknown` rows (other
+    gateways' requests, counted from the replica's stats) taken to outlast it."""
+
+    tokens_left: tuple[int, ...] = ()
+    unknown: int = 0
+
+    def shared_steps(self, steps: int) -> int:
+        """Row-steps these rows decode beside a request's `steps` decode steps."""
+        return sum(min(left, steps) for left in self.tokens_left) + self.unknown * steps
+
+
+def added_latency(
+    cost: StepCost,
+    queued_prefill: int,
+    uncached: int,
+    decodes: int,
+    decoding: Decoding,
+    out_tokens: int,
+    rows: int = 1,
+    steps_ahead: float = 0.0,
+) -> float:
+    """Seconds a request of `rows` samples of up to `out_tokens` tokens is predicted to take to
+    its last token on a replica, and to add to the steps of the rows decoding beside it (the
+    module's docstring)."""
+    steps = max(0, out_tokens - 1)
+    shared = decoding.shared_steps(steps)
+    own = steps * (cost.step_s + rows * cost.decode_row_s) + shared * cost.decode_row_s
+    others = rows * shared * cost.decode_row_s
+    return predicted_ttft(cost, queued_prefill, uncached, decodes, steps_ahead) + own + others
+
+
 def priced(costs: Sequence[StepCost | None]) -> list[StepCost]:
     """Each replica's step costs: its own where measured, else the mean of the measured ones,
     else the prior."""
@@ -89,7 +145,7 @@ def _mean(costs: Sequence[StepCost]) -> StepCost:
     )
 
 
-def choose_by_ttft(
+def choose_by_latency(
     uncached: Sequence[int],
     prefill_tokens: Sequence[int],
     decodes: Sequence[int],
@@ -102,9 +158,14 @@ def choose_by_ttft(
     steps_ahead: float = 0.0,
     loads: Sequence[int] | None = None,
     load_margin: int | None = None,
+    decoding: Sequence[Decoding] | None = None,
+    out_tokens: int = 1,
+    rows: int = 1,
 ) -> int | None:
-    """The replica (index) with the least predicted time to the first token; None when none is
-    usable. `uncached[i]`: the prompt's tokens replica i would compute; `prefill_tokens[i]`,
+    """The replica (index) with the least predicted latency: the seconds a request of `rows`
+    samples of up to `out_tokens` tokens adds to all latencies there (`added_latency`) beside
+    `decoding[i]`, or its time to the first token alone where `decoding` is None; None when
+    none is usable. `uncached[i]`: the prompt's tokens replica i would compute; `prefill_tokens[i]`,
     `decodes[i]`: its queue; `costs[i]`: its step costs (None: not measured); `tie`,
     `steps_ahead`: the module's docstring. The candidates:
     the usable replicas with KV use at most `kv_high`, or all usable ones when none is (as
@@ -125,12 +186,27 @@ def choose_by_ttft(
     if alike([prices[i] for i in candidates], max(uncached[i] for i in candidates), tie):
         mean = _mean([prices[i] for i in candidates])
         prices = [mean] * len(prices)
-    ttft = {
-        i: predicted_ttft(prices[i], prefill_tokens[i], uncached[i], decodes[i], steps_ahead)
-        for i in candidates
-    }
-    least = min(candidates, key=lambda i: (ttft[i], i))
-    if affine in ttft and ttft[affine] <= ttft[least] * (1.0 + EQUAL):
+    if decoding is None:
+        latency = {
+            i: predicted_ttft(prices[i], prefill_tokens[i], uncached[i], decodes[i], steps_ahead)
+            for i in candidates
+        }
+    else:
+        latency = {
+            i: added_latency(
+                prices[i],
+                prefill_tokens[i],
+                uncached[i],
+                decodes[i],
+                decoding[i],
+                out_tokens,
+                rows,
+                steps_ahead,
+            )
+            for i in candidates
+        }
+    least = min(candidates, key=lambda i: (latency[i], i))
+    if affine in latency and latency[affine] <= latency[least] * (1.0 + EQUAL):
         return affine
     return least
 
@@ -197,9 +273,12 @@ class KvRouter:
         kv_use: Sequence[float] | None = None,
         kv_high: float = 1.0,
         loads: Sequence[int] | None = None,
+        decoding: Sequence[Decoding] | None = None,
+        out_tokens: int = 1,
+        rows: int = 1,
     ) -> int | None:
         uncached = [self.uncached(i, hashes, num_tokens) for i in range(len(self.indexes))]
-        return choose_by_ttft(
+        return choose_by_latency(
             uncached,
             prefill_tokens,
             decodes,
@@ -212,6 +291,9 @@ class KvRouter:
             self.steps_ahead,
             loads,
             self.load_margin,
+            decoding,
+            out_tokens,
+            rows,
         )
 
     def routed(self, replica: int, hashes: Sequence[bytes]) -> None:

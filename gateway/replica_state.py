@@ -17,7 +17,9 @@ from the moment it is routed, so a burst routed between two polls spreads; and s
 when it ends, so that stats taken before do not keep a replica that has drained looking busy);
 other gateways' are what the replica's stats count beyond what this gateway may have had there
 when they were taken (its requests in flight at the ask and every one routed before the
-answer), assumed unchanged since. Its step costs (`step_cost`) are the last it measured: they
+answer), assumed unchanged since. The rows a new request would decode beside (`decoding`): each
+of this gateway's requests there with the tokens it has left (`streams`), and the others' rows
+from the same stats. Its step costs (`step_cost`) are the last it measured: they
 do not go stale with its load.
 """
 
@@ -27,6 +29,7 @@ import time
 
 from ..messages.client import EngineStats, StepCost
 from .client import AsyncClient
+from .kv_routing import Decoding
 
 STALE_INTERVALS = 5  # stats older than this many route_stats_interval_s are not used
 
@@ -49,6 +52,8 @@ class Replica:
         # (in_flight, prompt_here, routed, prompt_routed) at the oldest ask not answered yet
         self._asked: tuple[int, int, int, int] | None = None
         self.step_cost: StepCost | None = None  # its last measured one
+        # this gateway's requests there, by stream number: (tokens each row has left, rows)
+        self.streams: dict[int, tuple[int, int]] = {}
 
     def forget(self) -> None:
         """Another engine serves as this replica now: what the last one said does not hold."""
@@ -89,11 +94,23 @@ class Replica:
     def queue(self, max_age_s: float) -> tuple[int, int]:
         """(prompt tokens waiting for prefill, requests decoding) there now: this gateway's own,
         and the others' from stats at most `max_age_s` old (their requests count as decoding)."""
-        prefill = self.prefill_here
-        decodes = self.in_flight - self.awaiting_first
+        prefill, requests = self._others(max_age_s)
+        return self.prefill_here + prefill, self.in_flight - self.awaiting_first + requests
+
+    def decoding(self, max_age_s: float) -> Decoding:
+        """The rows a request sent there now would decode beside: this gateway's, each with
+        the tokens it has left, and the others' (from stats at most `max_age_s` old)."""
+        left = tuple(left for left, rows in self.streams.values() for _ in range(rows))
+        return Decoding(left, self._others(max_age_s)[1])
+
+    def _others(self, max_age_s: float) -> tuple[int, int]:
+        """(prompt tokens waiting, requests) there of other gateways', from stats at most
+        `max_age_s` old: what they count beyond what may be this gateway's."""
         stats = self.fresh_stats(max_age_s)
-        if stats is not None:
-            in_flight, prompt = self.ours_in_stats
-            prefill += max(0, stats.prefill_tokens_queued - prompt)
-            decodes += max(0, stats.num_running + stats.num_waiting - in_flight)
-        return prefill, decodes
+        if stats is None:
+            return 0, 0
+        in_flight, prompt = self.ours_in_stats
+        return (
+            max(0, stats.prefill_tokens_queued - prompt),
+            max(0, stats.num_running + stats.num_waiting - in_flight),
+        )

@@ -5,10 +5,11 @@ Routing (`ReplicaSet.choose`): `route_policy` "prefix" (prefix affinity against 
 and "round_robin" are gateway/replica_choice.py's pure choices, on what the gateway knows of each
 replica (gateway/replica_state.py: the requests it sent there, its polled EngineStats).
 
-`route_policy` "kv_events" (`kv`, a KvRouter: gateway/kv_routing.py) sends a request where its
-first token is predicted soonest: from what each replica's prefix cache holds (its KV events),
-its queue (`Replica.queue`: prompt tokens waiting for prefill and requests decoding, this
-gateway's counted live, other gateways' from its EngineStats) and its measured step costs
+`route_policy` "kv_events" (`kv`, a KvRouter: gateway/kv_routing.py) sends a request where it
+is predicted to add the least to all latencies, its own first: from what each replica's prefix
+cache holds (its KV events), its queue (`Replica.queue`: prompt tokens waiting for prefill and
+requests decoding, this gateway's counted live, other gateways' from its EngineStats), the rows
+decoding there and the tokens each has left (`Replica.decoding`) and its measured step costs
 (EngineStats.step_cost). While any usable replica's index is not in step it falls back to
 prefix affinity as above.
 
@@ -21,6 +22,7 @@ for greedy and seeded requests. With one replica there is nowhere to go: the err
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -76,12 +78,18 @@ class ReplicaSet:
         self._stats_polled = -float("inf")
         self._retired: list[AsyncClient] = []  # the clients of moved replicas, until closed
         self._closing: set[asyncio.Task] = set()
+        self._stream_numbers = itertools.count()  # keys of Replica.streams
 
     def choose(
-        self, key: bytes | None, hashes: list[bytes] | None = None, num_tokens: int = 0
+        self,
+        key: bytes | None,
+        hashes: list[bytes] | None = None,
+        num_tokens: int = 0,
+        out_tokens: int = 1,
+        rows: int = 1,
     ) -> Replica | None:
         """`hashes`: the prompt's block chain, for kv_events (None: prefix affinity), of a
-        prompt of `num_tokens` tokens."""
+        prompt of `num_tokens` tokens, for `rows` samples of up to `out_tokens` tokens."""
         usable = [r.up for r in self.replicas]
         if self.policy == "round_robin":
             index = next_in_turn(self._last_turn, usable)
@@ -106,6 +114,9 @@ class ReplicaSet:
                 kv_use,
                 self.kv_high,
                 loads,
+                [r.decoding(max_age) for r in self.replicas],
+                out_tokens,
+                rows,
             )
         return None if index is None else self.replicas[index]
 
@@ -171,12 +182,20 @@ class ReplicaSet:
         received: dict[int, list[int]] = {}
         done: set[int] = set()
         resume: list[ResumedSample] | None = None
+        stream_number = next(self._stream_numbers)
+
+        def left() -> tuple[int, int]:
+            """(tokens each sample not done has left, samples not done)."""
+            fewest = min((len(received.get(i, [])) for i in range(n) if i not in done), default=0)
+            return max(0, params.max_tokens - fewest), n - len(done)
+
         # none up: the first, and the SDK says why
-        replica = self.choose(key, hashes, num_tokens) or self.replicas[0]
+        replica = self.choose(key, hashes, num_tokens, *left()) or self.replicas[0]
         while True:
             current = replica
             counted = self._routed(current, hashes, num_tokens)
             current.in_flight += 1
+            current.streams[stream_number] = left()
             if request_id is not None:
                 self.serving[request_id] = current
             stream = current.client.generate(
@@ -190,13 +209,15 @@ class ReplicaSet:
                     received.setdefault(delta.index, []).extend(delta.token_ids)
                     if delta.finished:
                         done.add(delta.index)
+                    current.streams[stream_number] = left()
                     yield delta
                 return
             except EngineError as exc:
                 if not _failover_worthy(exc):
                     raise
                 self.mark_down(current)
-                successor = self.choose(key, hashes, num_tokens)
+                current.streams.pop(stream_number, None)
+                successor = self.choose(key, hashes, num_tokens, *left())
                 if successor is None:
                     raise
                 replica = successor
@@ -207,6 +228,7 @@ class ReplicaSet:
                 if counted is not None:  # it ended before its first token
                     self._first_token(current, counted)
                 current.in_flight -= 1
+                current.streams.pop(stream_number, None)
                 if request_id is not None and self.serving.get(request_id) is current:
                     del self.serving[request_id]
                 await stream.aclose()  # the SDK aborts a request left before it finished

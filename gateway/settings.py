@@ -128,11 +128,11 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     route_policy: Annotated[
         RoutePolicy,
         Meta(
-            description="kv_events: the replica predicted to give the first token soonest, "
-            "from what its prefix cache holds (its KV events), its queue and its measured step "
-            "times; prefix affinity while an index is not in step; prefix: a prompt's first "
-            "blocks pick its replica, balanced against load and KV use; round_robin: each "
-            "request to the next replica (a baseline)"
+            description="kv_events: the replica where a request is predicted to add the least "
+            "latency, from what its prefix cache holds (its KV events), its queue, the rows "
+            "decoding there and its measured step times; prefix affinity while an index is "
+            "not in step; prefix: a prompt's first blocks pick its replica, balanced against "
+            "load and KV use; round_robin: each request to the next replica (a baseline)"
         ),
     ] = "prefix"
     route_kv_max_blocks: Annotated[

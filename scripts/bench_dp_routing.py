@@ -18,8 +18,9 @@ tokens over their looked-up tokens, from /health, over the run); then each polic
 robin; and the step costs each replica measured (/metrics), which kv_events prices in.
 
 Prefix affinity sends every request of one system prompt (or conversation) to one replica, by a
-hash of its first blocks; kv_events sends it where its first token is predicted soonest, from
-what the replicas' KV events say they cache of it, their queues and their measured step costs;
+hash of its first blocks; kv_events sends it where it is predicted to add the least latency
+(its own to its last token and the steps its rows slow), from what the replicas' KV events say
+they cache of it, their queues, the rows decoding there and their measured step costs;
 round robin sends each prompt to both, so both compute it (and each holds every prompt's blocks,
 half the room each).
 

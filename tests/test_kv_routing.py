@@ -1,7 +1,8 @@
-"""The kv_events choice (gateway/kv_routing.py): the replica predicted to give a request its first
-token soonest, from what its cache holds, its queue and its measured step costs; and the queue
-the gateway counts for a replica (gateway/replica_state.py), live between two polls of its
-stats. No processes: the replica clients are fakes."""
+"""The kv_events choice (gateway/kv_routing.py): the replica where a request is predicted to add
+the least to all latencies, its own first token first, from what its cache holds, its queue, the
+rows decoding there and its measured step costs; and the queue the gateway counts for a replica
+(gateway/replica_state.py), live between two polls of its stats. No processes: the replica
+clients are fakes."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import pytest
 
 from actorserve.gateway.kv_index import ReplicaIndex
 from actorserve.gateway.kv_routing import (
+    Decoding,
     KvRouter,
-    choose_by_ttft,
+    added_latency,
+    choose_by_latency,
     predicted_ttft,
     priced,
     prompt_block_hashes,
@@ -20,7 +23,7 @@ from actorserve.gateway.kv_routing import (
 from actorserve.gateway.replica_state import Replica
 from actorserve.gateway.replicas import ReplicaSet
 from actorserve.messages.client import Delta, EngineStats, StepCost
-from actorserve.messages.common import FinishReason
+from actorserve.messages.common import FinishReason, SamplingParams
 from actorserve.messages.kv_events import KvSnapshot
 
 BS = 16
@@ -30,7 +33,7 @@ MEASURED = StepCost(step_s=0.05, prefill_token_s=0.01, decode_row_s=0.002, steps
 
 
 def route(uncached, queues, decodes, costs, tie=0.25, affine=0):
-    return choose_by_ttft(uncached, queues, decodes, costs, [True] * len(uncached), tie, affine)
+    return choose_by_latency(uncached, queues, decodes, costs, [True] * len(uncached), tie, affine)
 
 
 def burst(count: int, uncached: list[int], costs, affine=0) -> list[int]:
@@ -64,9 +67,9 @@ def test_steps_under_way_weigh_a_decoding_replica_against_an_idle_one_holding_le
     decodes (a step of 66 ms), even counting the 1.5 steps under way there, the idle replica is
     slower; with 150 (350 ms a step) it is faster, once the steps under way count."""
     costs = [MEASURED, MEASURED]
-    assert choose_by_ttft([10, 74], [0, 0], [8, 0], costs, BOTH, steps_ahead=1.5) == 0
-    assert choose_by_ttft([10, 74], [0, 0], [150, 0], costs, BOTH, steps_ahead=0.0) == 0
-    assert choose_by_ttft([10, 74], [0, 0], [150, 0], costs, BOTH, steps_ahead=1.5) == 1
+    assert choose_by_latency([10, 74], [0, 0], [8, 0], costs, BOTH, steps_ahead=1.5) == 0
+    assert choose_by_latency([10, 74], [0, 0], [150, 0], costs, BOTH, steps_ahead=0.0) == 0
+    assert choose_by_latency([10, 74], [0, 0], [150, 0], costs, BOTH, steps_ahead=1.5) == 1
 
 
 def test_with_equal_caches_a_burst_of_requests_spreads_evenly():
@@ -139,11 +142,13 @@ def test_a_replica_not_measured_yet_is_priced_like_the_measured_ones():
 
 def test_replicas_down_or_over_kv_high_are_skipped():
     costs = [MEASURED, MEASURED]
-    assert choose_by_ttft([1, 500], [0, 0], [0, 0], costs, [False, True]) == 1
-    assert choose_by_ttft([1, 500], [0, 0], [0, 0], costs, BOTH, 0.0, None, [0.95, 0.1], 0.9) == 1
+    assert choose_by_latency([1, 500], [0, 0], [0, 0], costs, [False, True]) == 1
+    assert (
+        choose_by_latency([1, 500], [0, 0], [0, 0], costs, BOTH, 0.0, None, [0.95, 0.1], 0.9) == 1
+    )
     both_full = [0.95, 0.95]  # none under kv_high: every usable one is a candidate
-    assert choose_by_ttft([1, 500], [0, 0], [0, 0], costs, BOTH, 0.0, None, both_full, 0.9) == 0
-    assert choose_by_ttft([1, 1], [0, 0], [0, 0], costs, [False, False]) is None
+    assert choose_by_latency([1, 500], [0, 0], [0, 0], costs, BOTH, 0.0, None, both_full, 0.9) == 0
+    assert choose_by_latency([1, 1], [0, 0], [0, 0], costs, [False, False]) is None
 
 
 def test_the_router_prices_what_each_replica_holds_of_the_prompt():
@@ -266,6 +271,90 @@ def test_a_load_margin_keeps_a_hot_prefix_from_piling_onto_the_replica_that_hold
     """Replica 0 holds 4 more blocks of the prompt and runs 3 more requests: the prediction
     picks it; with route_kv_load_margin 2 (3 > 0 + 2) the idle replica takes the request."""
     costs = [MEASURED, MEASURED]
-    assert choose_by_ttft([10, 74], [0, 0], [3, 0], costs, BOTH, loads=[3, 0]) == 0
-    assert choose_by_ttft([10, 74], [0, 0], [3, 0], costs, BOTH, loads=[3, 0], load_margin=3) == 0
-    assert choose_by_ttft([10, 74], [0, 0], [3, 0], costs, BOTH, loads=[3, 0], load_margin=2) == 1
+    assert choose_by_latency([10, 74], [0, 0], [3, 0], costs, BOTH, loads=[3, 0]) == 0
+    assert (
+        choose_by_latency([10, 74], [0, 0], [3, 0], costs, BOTH, loads=[3, 0], load_margin=3) == 0
+    )
+    assert (
+        choose_by_latency([10, 74], [0, 0], [3, 0], costs, BOTH, loads=[3, 0], load_margin=2) == 1
+    )
+
+
+def test_a_request_adds_its_first_token_its_decode_steps_and_the_steps_it_slows():
+    cost = StepCost(step_s=0.05, prefill_token_s=0.01, decode_row_s=0.002, token_budget=1000)
+    # 2 rows there: one with 4 tokens left, one of another gateway's (outlasts it); 10 out tokens
+    decoding = Decoding(tokens_left=(4,), unknown=1)
+    shared = 4 + 9  # row-steps beside its 9 decode steps
+    ttft = predicted_ttft(cost, 0, 20, 2)
+    own = 9 * (0.05 + 0.002) + shared * 0.002  # its steps, slowed by the rows beside it
+    others = shared * 0.002  # its row in each step they share
+    assert added_latency(cost, 0, 20, 2, decoding, 10) == pytest.approx(ttft + own + others)
+    assert added_latency(cost, 0, 20, 2, decoding, 1) == pytest.approx(ttft)  # one token out
+
+
+def test_a_cached_prompt_wins_while_the_loads_are_close_and_loses_to_a_lighter_replica():
+    """Replica 0 holds an 8-block system prompt (128 tokens: 0.128 s of prefill at 1 ms a
+    token); each replica decodes rows with 8 tokens left. With as many rows on both, or one
+    more on replica 0, the cache wins; with two more the request's 15 decode steps, slowed by
+    them and slowing them, outweigh the prefill it saves, and replica 1 takes it."""
+    cost = StepCost(step_s=0.03, prefill_token_s=0.001, decode_row_s=0.005, steps=100)
+    costs, uncached = [cost, cost], [10, 138]
+
+    def pick(rows: list[int]) -> int | None:
+        decoding = [Decoding(tokens_left=(8,) * r) for r in rows]
+        return choose_by_latency(
+            uncached, [0, 0], rows, costs, BOTH, decoding=decoding, out_tokens=16
+        )
+
+    assert pick([4, 4]) == 0
+    assert pick([5, 4]) == 0
+    assert pick([6, 4]) == 1
+    # priced by the first token alone it would stay with the cache however loaded
+    assert choose_by_latency(uncached, [0, 0], [6, 4], costs, BOTH) == 0
+
+
+def test_a_replica_counts_the_tokens_its_streams_have_left():
+    """Two requests of max_tokens 8 routed to one replica: both rows count 8 left until tokens
+    stream; each token streamed is one fewer; an ended request counts no more."""
+    client = TokenClient()
+    replicas = ReplicaSet([client, TokenClient()], BS, 4, 4, 60.0, policy="round_robin")
+    replicas.replicas[1].up = False  # both requests to replica 0
+    replica = replicas.replicas[0]
+    params = SamplingParams(max_tokens=8)
+
+    async def run() -> list[Decoding]:
+        seen = []
+        streams = [replicas.generate(list(range(40)), params) for _ in range(2)]
+        firsts = [asyncio.ensure_future(anext(s)) for s in streams]
+        await asyncio.sleep(0.01)
+        seen.append(replica.decoding(60.0))  # both routed, neither streamed yet
+        client.step.set()
+        await asyncio.gather(*firsts)
+        seen.append(replica.decoding(60.0))  # one token each
+        for stream in streams:
+            await stream.aclose()
+        seen.append(replica.decoding(60.0))
+        return seen
+
+    before, after_one, ended = asyncio.run(run())
+    assert before == Decoding(tokens_left=(8, 8))
+    assert after_one == Decoding(tokens_left=(7, 7))
+    assert ended == Decoding()
+
+
+class TokenClient:
+    """Streams a token each time `step` is set, up to max_tokens."""
+
+    def __init__(self):
+        self.step = asyncio.Event()
+
+    async def generate(self, prompt, params, request_id, priority, resume=None, tenant=None):
+        for i in range(params.max_tokens):
+            await self.step.wait()
+            last = i == params.max_tokens - 1
+            yield Delta(
+                request_id, token_ids=[i], finish_reason=FinishReason.LENGTH if last else None
+            )
+
+    async def close(self):
+        pass
