@@ -175,13 +175,22 @@ class Simulation:
 
     def check_step(self, plan: StepPlan, before: dict, allocation: Allocation | None) -> None:
         """Every running decode is in the step unless it lost its seat or its blocks, or ended;
-        the requests admitted are the first of the fair order (nobody jumps the queue, and no
-        client holding fewer seats waits behind another's request); preemption victims come
-        last in the documented order."""
+        the step computes at most max_num_batched_tokens tokens, and beside decodes at most
+        max_prefill_tokens_beside_decodes prompt tokens; the requests admitted are the first of
+        the fair order (nobody jumps the queue, and no client holding fewer seats waits behind
+        another's request); preemption victims come last in the documented order."""
         planner = self.planner
         in_step = {u.request_id for u in plan.running} | {n.request_id for n in plan.new}
         for rid in before["decodes"]:
             assert rid in in_step or rid not in planner.running, f"decode {rid} skipped"
+        rows = [(u.request_id, u.num_new_tokens) for u in plan.running]
+        rows += [(n.request_id, n.num_new_tokens) for n in plan.new]
+        tokens = sum(count for _, count in rows)
+        assert tokens <= self.config.max_num_batched_tokens, f"{tokens} tokens in one step"
+        cap = self.config.max_prefill_tokens_beside_decodes
+        if cap is not None and any(rid in before["decodes"] for rid, _ in rows):
+            prompt = sum(count for rid, count in rows if rid not in before["decodes"])
+            assert prompt <= cap, f"{prompt} prompt tokens beside decodes, over {cap}"
         if plan.new:
             offered_from = before["offered_from"]
             order = fair_order(offered_from["waiting"], offered_from["seats"])

@@ -1,5 +1,6 @@
 """The engine's greedy output equals Hugging Face transformers', token for token (fp32, CPU):
-with many requests batched, under preemption, with prompts prefilled in chunks, and with steps
+with many requests batched, under preemption, with prompts prefilled in chunks (by the step's
+budget, or cut to a few tokens beside decodes), and with steps
 planned while the step before them runs (async scheduling, the default) or one after another."""
 
 from __future__ import annotations
@@ -82,5 +83,19 @@ def test_output_matches_transformers_when_long_prompts_are_prefilled_in_chunks(l
         assert_matches_transformers(llama_dir, server.address)
         stats = server.wait_blocks_free()
         assert stats.num_partial_prefills >= sum(1 for n in PROMPT_LENGTHS if n > 64)
+    finally:
+        assert server.stop() == 0
+
+
+def test_output_matches_transformers_when_prompts_beside_decodes_are_cut_to_a_few_tokens(
+    llama_dir,
+):
+    # While any request decodes, a step computes at most 16 prompt tokens: the prompts that do
+    # not fit the first step are prefilled 16 tokens a step beside the others' decodes.
+    server = EngineServer(llama_dir, "--max-prefill-tokens-beside-decodes", "16")
+    try:
+        assert_matches_transformers(llama_dir, server.address)
+        stats = server.wait_blocks_free()
+        assert stats.num_partial_prefills > 0
     finally:
         assert server.stop() == 0

@@ -70,6 +70,7 @@ def configs(draw, blocks=(1, 3), spare=(0, 12), async_scheduling=None, seqs=(1, 
         preemption_victim=draw(st.sampled_from(["fewest_computed", "last_admitted"])),
         async_scheduling=draw(st.booleans()) if async_scheduling is None else async_scheduling,
         enable_prefix_caching=draw(st.booleans()),
+        max_prefill_tokens_beside_decodes=draw(st.one_of(st.none(), st.integers(1, 12))),
     )
 
 

@@ -61,6 +61,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_num_batched_tokens: Annotated[
         int, Meta(description="tokens in one step (prefill chunks and decodes together)")
     ] = 2048
+    max_prefill_tokens_beside_decodes: Annotated[
+        int | None,
+        Meta(
+            description="prompt tokens one step computes while requests decode in it, so that "
+            "a newcomer's prompt, chunked over steps, delays each of their tokens by at most "
+            "this many tokens' work (stall-free batching); unset: the whole token budget"
+        ),
+    ] = None
     max_model_len: Annotated[
         int | None,
         Meta(description="longest sequence (prompt + output); unset: the model's maximum"),

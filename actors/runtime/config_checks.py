@@ -39,6 +39,7 @@ def check_ranges(config: Any) -> None:
         ("swap_space_gb", config.swap_space_gb >= 0.0, ">= 0"),
         ("max_num_batched_tokens", config.max_num_batched_tokens >= 1, ">= 1"),
         unset_or_positive("num_kv_blocks"),
+        unset_or_positive("max_prefill_tokens_beside_decodes"),
         ("max_model_len", config.max_model_len is None or config.max_model_len >= 2, ">= 2"),
         ("heartbeat_interval_s", config.heartbeat_interval_s > 0, "> 0"),
         ("omp_spin_count", config.omp_spin_count >= 0, ">= 0"),

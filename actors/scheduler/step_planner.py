@@ -26,11 +26,13 @@ The budget goes to every running decode first, then to running prefill chunks, t
 requests in the fair order (admission.py: by priority; within a priority, the client holding
 the fewest seats first, then by arrival). Since max_num_batched_tokens >= max_num_seqs (checked
 at start), a running decode is never skipped: however long a prompt, it delays each decode by at
-most one step whose size is bounded by the token budget. When no seat is free, the next waiting
-request takes one, recomputing its holder: the lowest-priority running request's if that is of
-lower priority; else, at its own priority, one of the client holding the most seats when its own
-client holds at least two fewer (admission.fair_victim). So one client's requests, running
-however long and read or not, keep a client holding no seat waiting a step or two at most.
+most one step whose size is bounded by the token budget, and with
+`max_prefill_tokens_beside_decodes` by that many prompt tokens (step_budget.py). When no seat is
+free, the next waiting request takes one, recomputing its holder: the lowest-priority running
+request's if that is of lower priority; else, at its own priority, one of the client holding the
+most seats when its own client holds at least two fewer (admission.fair_victim). So one client's
+requests, running however long and read or not, keep a client holding no seat waiting a step or
+two at most.
 Preemption victims (the tail of AllocateStep.needs) are the lowest priority, then either the
 fewest computed tokens (least work lost, the default) or the last admitted.
 """
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ...messages.blocks import AllocateStep, Allocation, FreeBlocks, Grant
@@ -56,6 +57,7 @@ from ...messages.step import (
 from ..runtime.config import EngineConfig
 from .admission import WaitingQueue, fair_victim
 from .request_state import Request
+from .step_budget import split_budget
 from .step_cost import StepCostFit
 
 
@@ -171,25 +173,11 @@ class StepPlanner:
             return None
         if not overlapped:
             self._make_seats()
-        budget = self.config.max_num_batched_tokens
-        counts: dict[str, int] = {}
-        running: dict[str, Request] = {}
-        held = True  # every count fits in the blocks its request holds
-        for request, unscheduled in self._decodes_first():
-            if budget <= 0:
-                break
-            if request.ends_in_flight():
-                continue
-            count = unscheduled if unscheduled < budget else budget
-            if count > 0:
-                rid = request.request_id
-                counts[rid] = count
-                running[rid] = request
-                budget -= count
-                held = held and request.num_scheduled + count <= request.capacity
+        split = split_budget(self.running.values(), self.config)
+        counts, running, budget = split.counts, split.running, split.new_tokens
         seats = self._seats_held() if self.waiting else {}
         admissions = self.waiting.offers(seats, self.running, self.requests, overlapped, budget)
-        if running and not admissions and held:
+        if running and not admissions and split.held:
             return self._plan_in_held_blocks(counts, overlapped)
         told = {rid: r.told_block_manager for rid, r in running.items()}
         needs = [
@@ -205,18 +193,6 @@ class StepPlanner:
         self.counters.num_block_round_trips += 1
         self.pending = PendingAllocation(self.step_id, running, told, overlapped)
         return AllocateStep(self.epoch, self.step_id, needs, budget, overlapped=overlapped)
-
-    def _decodes_first(self) -> Iterator[tuple[Request, int]]:
-        """The running requests with their tokens left to schedule: those with at most one
-        (decodes) first, then the others, each in running order."""
-        chunks = []
-        for request in self.running.values():
-            unscheduled = request.num_unscheduled
-            if unscheduled > 1:
-                chunks.append((request, unscheduled))
-            else:
-                yield request, unscheduled
-        yield from chunks
 
     def _plan_in_held_blocks(self, counts: dict[str, int], overlapped: bool) -> StepPlan:
         """A step of running requests only, each within the blocks it holds: no AllocateStep."""
