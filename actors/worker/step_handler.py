@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from ...messages.codec import DecodeError, Decoder, WorkerStepsInbox
@@ -49,12 +50,16 @@ class StepHandler:
         config: EngineConfig,
         tp: TensorParallel,
         replies: Replies | None,
+        exit_group: Callable[[], None] | None = None,
     ):
-        """`replies`: rank 0's; None on a follower, which answers nothing."""
+        """`replies`: rank 0's; None on a follower, which answers nothing. `exit_group`: how a
+        rank of a group ends when its step fails (never returns): rank 0's asks its follower
+        watch why first (tp_group.py `exit_broken`); by default, exit GROUP_BROKEN."""
         self.runner = runner
         self.config = config
         self.tp = tp
         self.replies = replies
+        self.exit_group = exit_group or _exit_group_broken
         self.epoch = config.epoch  # plans of another epoch than the last Reset's are dropped
         self.handled = 0  # messages (idle ticks included) handled: the liveness stamps' count
         self.decoder: Decoder[StepPlan | CompileGrammar | Reset | Stop] = Decoder(WorkerStepsInbox)
@@ -125,7 +130,7 @@ class StepHandler:
             log.exception("step %d failed", plan.step_id)
             if self.tp.size > 1:
                 log.error("rank %d: exiting, so that the whole group restarts", self.tp.rank)
-                os._exit(GROUP_BROKEN)
+                self.exit_group()
             for rid in [u.request_id for u in plan.running] + [n.request_id for n in plan.new]:
                 self.runner.forget(rid)
             return StepResult(
@@ -137,3 +142,7 @@ class StepHandler:
                  "t": time.perf_counter()}
             )  # fmt: skip
         return result
+
+
+def _exit_group_broken() -> None:
+    os._exit(GROUP_BROKEN)

@@ -126,6 +126,7 @@ class FollowerGroup:
         self.watchdog: FollowerWatchdog | None = None
         self._stopping = threading.Event()
         self._condemned = threading.Event()  # condemn() is killing the group
+        self._condemning = threading.Lock()  # held by the one thread that condemns
 
     @classmethod
     def spawn(cls, config: EngineConfig) -> FollowerGroup:
@@ -188,8 +189,11 @@ class FollowerGroup:
     def condemn(self) -> None:
         """End the group for a restart, a follower being stalled: SIGKILL every follower (the
         only signal a stopped process does not defer) and reap them, so that none outlives
-        this process, then exit with FOLLOWER_STALLED. Called from the watchdog's thread,
-        never returns. No teardown: the forward thread may be stuck in a collective."""
+        this process, then exit with FOLLOWER_STALLED. Called from the watchdog's thread (or
+        the forward thread's `exit_broken`), never returns: a second caller waits for the
+        first's exit. No teardown: the forward thread may be stuck in a collective."""
+        if not self._condemning.acquire(blocking=False):
+            threading.Event().wait()
         self._condemned.set()
         self._stopping.set()  # the followers' exits are this thread's doing: no GROUP_BROKEN
         for process in self.processes:
@@ -203,11 +207,17 @@ class FollowerGroup:
         os._exit(FOLLOWER_STALLED)
 
     def exit_broken(self) -> None:
-        """The forward thread's end when a collective failed: exit GROUP_BROKEN, for a restart;
-        unless condemn() is killing the followers (which fails the collective too), whose exit
-        code (FOLLOWER_STALLED) says why: then wait for it. Never returns."""
+        """The forward thread's end when a step or a collective failed: exit GROUP_BROKEN, for
+        a restart; unless a follower is stalled, or condemn() is killing the followers (which
+        fails the collective too): then the exit is condemn()'s (FOLLOWER_STALLED), which says
+        why. A stalled follower's collective times out after twice the bound, and the
+        watchdog, whose own wake-ups a loaded machine may delay past the bound, may not have
+        acted yet: a follower silent for the bound since the watch began is condemned here.
+        Never returns."""
+        if not self._condemned.is_set() and self.watchdog is not None:
+            self.watchdog.condemn_if_silent(time.monotonic(), self.watchdog.started)
         if not self._condemned.is_set():
-            log.exception("the group's broadcast failed: exiting, so the group restarts")
+            log.exception("the group's step failed: exiting, so the group restarts")
             os._exit(GROUP_BROKEN)
         threading.Event().wait()
 

@@ -109,6 +109,7 @@ class FollowerWatchdog:
         self.thread = threading.Thread(target=self._run, daemon=True, name="liveness-watch")
 
     def start(self) -> FollowerWatchdog:
+        self.started = self.since = time.monotonic()
         self.thread.start()
         return self
 
@@ -117,22 +118,27 @@ class FollowerWatchdog:
         # may not have stamped yet), or this thread's own late wake-up. When this thread slept
         # far past its period the whole machine stalled (swap, a suspended VM), the followers
         # with it: that is no follower's fault, so each gets a whole bound again.
-        since = last = time.monotonic()
+        last = self.since
         while not self.stopping.wait(self.period_s):
             now = time.monotonic()
             if now - last > self.period_s + self.bound_s / 2:
-                since = now
+                self.since = now
             last = now
-            for rank in range(1, len(self.pids) + 1):
-                stamped, handled = self.board.read(rank)
-                silent_s = now - max(stamped or since, since)
-                if silent_s > self.bound_s and not self.stopping.is_set():
-                    log.error(
-                        "tensor-parallel rank %d (pid %d) made no progress for %.1f s (bound "
-                        "tp_follower_timeout_s %.1f s; it had handled %d messages, rank 0 %d): "
-                        "killing the group and exiting (code %d), so that the supervisor "
-                        "restarts it",
-                        rank, self.pids[rank - 1], silent_s, self.bound_s, handled,
-                        self.handled(), FOLLOWER_STALLED,
-                    )  # fmt: skip
-                    self.condemn()
+            self.condemn_if_silent(now, self.since)
+
+    def condemn_if_silent(self, now: float, since: float) -> None:
+        """Condemn the group (never returns) when a follower has not stamped for longer than
+        the bound, counted from `since` at the earliest; else return."""
+        for rank in range(1, len(self.pids) + 1):
+            stamped, handled = self.board.read(rank)
+            silent_s = now - max(stamped or since, since)
+            if silent_s > self.bound_s and not self.stopping.is_set():
+                log.error(
+                    "tensor-parallel rank %d (pid %d) made no progress for %.1f s (bound "
+                    "tp_follower_timeout_s %.1f s; it had handled %d messages, rank 0 %d): "
+                    "killing the group and exiting (code %d), so that the supervisor "
+                    "restarts it",
+                    rank, self.pids[rank - 1], silent_s, self.bound_s, handled,
+                    self.handled(), FOLLOWER_STALLED,
+                )  # fmt: skip
+                self.condemn()

@@ -207,7 +207,10 @@ class Worker(Actor):
         import torch
 
         results = self._connect("scheduler")
-        handler = StepHandler(self.runner, self.config, self.rank.tp, LeaderReplies(self, results))
+        exit_group = self.group.exit_broken if self.group is not None else None
+        handler = StepHandler(
+            self.runner, self.config, self.rank.tp, LeaderReplies(self, results), exit_group
+        )
         broadcast = self.rank.tp.broadcast_bytes
         receive = steps.recv
         if self.group is None and self.config.kv_cache_prefault:
