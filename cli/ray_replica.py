@@ -100,9 +100,8 @@ class ReplicaHost:
         """Start the engine, echo its output to our stderr (Ray's log), and wait for its end.
         Runs on a thread of its own that ends with the engine (PR_SET_PDEATHSIG: the module doc)."""
         keeper = [sys.executable, "-m", "actorserve.cli.ray_replica", str(os.getpid())]
-        module = [*keeper, self.keys_dir or ""]
         self.process = subprocess.Popen(
-            [*module, *command],
+            [*keeper, self.keys_dir or "", *command],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             text=True,

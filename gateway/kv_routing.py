@@ -186,25 +186,20 @@ def choose_by_latency(
     if alike([prices[i] for i in candidates], max(uncached[i] for i in candidates), tie):
         mean = _mean([prices[i] for i in candidates])
         prices = [mean] * len(prices)
-    if decoding is None:
-        latency = {
-            i: predicted_ttft(prices[i], prefill_tokens[i], uncached[i], decodes[i], steps_ahead)
-            for i in candidates
-        }
-    else:
-        latency = {
-            i: added_latency(
-                prices[i],
-                prefill_tokens[i],
-                uncached[i],
-                decodes[i],
-                decoding[i],
-                out_tokens,
-                rows,
-                steps_ahead,
-            )
-            for i in candidates
-        }
+    decoding = decoding or [Decoding()] * len(uncached)  # its first token alone (out_tokens 1)
+    latency = {
+        i: added_latency(
+            prices[i],
+            prefill_tokens[i],
+            uncached[i],
+            decodes[i],
+            decoding[i],
+            out_tokens,
+            rows,
+            steps_ahead,
+        )
+        for i in candidates
+    }
     least = min(candidates, key=lambda i: (latency[i], i))
     if affine in latency and latency[affine] <= latency[least] * (1.0 + EQUAL):
         return affine

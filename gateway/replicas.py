@@ -195,7 +195,8 @@ class ReplicaSet:
             current = replica
             counted = self._routed(current, hashes, num_tokens)
             current.in_flight += 1
-            current.streams[stream_number] = left()
+            if self.kv is not None:  # the tokens left are kv_events' to price, no one else's
+                current.streams[stream_number] = left()
             if request_id is not None:
                 self.serving[request_id] = current
             stream = current.client.generate(
@@ -209,14 +210,14 @@ class ReplicaSet:
                     received.setdefault(delta.index, []).extend(delta.token_ids)
                     if delta.finished:
                         done.add(delta.index)
-                    current.streams[stream_number] = left()
+                    if self.kv is not None:
+                        current.streams[stream_number] = left()
                     yield delta
                 return
             except EngineError as exc:
                 if not _failover_worthy(exc):
                     raise
                 self.mark_down(current)
-                current.streams.pop(stream_number, None)
                 successor = self.choose(key, hashes, num_tokens, *left())
                 if successor is None:
                     raise

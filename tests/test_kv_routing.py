@@ -317,7 +317,8 @@ def test_a_replica_counts_the_tokens_its_streams_have_left():
     """Two requests of max_tokens 8 routed to one replica: both rows count 8 left until tokens
     stream; each token streamed is one fewer; an ended request counts no more."""
     client = TokenClient()
-    replicas = ReplicaSet([client, TokenClient()], BS, 4, 4, 60.0, policy="round_robin")
+    router = KvRouter([ReplicaIndex(1000, BS), ReplicaIndex(1000, BS)], BS, 64, assume_s=0.0)
+    replicas = ReplicaSet([client, TokenClient()], BS, 4, 4, 60.0, policy="kv_events", kv=router)
     replicas.replicas[1].up = False  # both requests to replica 0
     replica = replicas.replicas[0]
     params = SamplingParams(max_tokens=8)

@@ -12,7 +12,7 @@ with no decode takes prompts up to the whole budget.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..runtime.config import EngineConfig
@@ -22,39 +22,40 @@ from .request_state import Request
 @dataclass
 class StepBudget:
     """A step's split: `counts` (request id -> tokens this step computes for that running
-    request, decodes first, in running order), `running` (the same requests by id, in that
-    order), `held` (every count fits in the blocks its request holds), `new_tokens` (what the
-    waiting requests' prompts may take)."""
+    request, decodes first, each kind in running order), `held` (every count fits in the
+    blocks its request holds), `new_tokens` (what the waiting requests' prompts may take)."""
 
     counts: dict[str, int]
-    running: dict[str, Request]
     held: bool
     new_tokens: int
 
 
 def split_budget(running: Iterable[Request], config: EngineConfig) -> StepBudget:
     budget = config.max_num_batched_tokens
-    split = StepBudget({}, {}, True, 0)
-    prompt_budget: int | None = None  # prompt tokens this step may still take (None: not known)
-    for request, unscheduled in decodes_first(running):
-        if budget <= 0:
-            break
-        if request.ends_in_flight():
-            continue
-        count = unscheduled if unscheduled < budget else budget
-        if unscheduled > 1:  # a prompt chunk: every decode is counted by now
-            if prompt_budget is None:
-                prompt_budget = prompt_tokens(config, decoding=bool(split.counts))
-            count = min(count, prompt_budget)
-            prompt_budget -= count
+    split = StepBudget({}, True, 0)
+
+    def take(request: Request, count: int) -> None:
+        split.counts[request.request_id] = count
+        split.held = split.held and request.num_scheduled + count <= request.capacity
+
+    decodes, chunks = [], []  # (request, tokens left to schedule): at most one, and more
+    for request in running:
+        if not request.ends_in_flight():
+            unscheduled = request.num_unscheduled
+            (chunks if unscheduled > 1 else decodes).append((request, unscheduled))
+    for request, unscheduled in decodes:
+        count = min(unscheduled, budget)
         if count > 0:
-            split.counts[request.request_id] = count
-            split.running[request.request_id] = request
+            take(request, count)
             budget -= count
-            split.held = split.held and request.num_scheduled + count <= request.capacity
-    if prompt_budget is None:
-        prompt_budget = prompt_tokens(config, decoding=bool(split.counts))
-    split.new_tokens = max(0, min(budget, prompt_budget))
+    prompt_left = prompt_tokens(config, decoding=bool(split.counts))
+    for request, unscheduled in chunks:
+        count = min(unscheduled, budget, prompt_left)
+        if count > 0:
+            take(request, count)
+            budget -= count
+            prompt_left -= count
+    split.new_tokens = max(0, min(budget, prompt_left))
     return split
 
 
@@ -65,16 +66,3 @@ def prompt_tokens(config: EngineConfig, decoding: bool) -> int:
     if decoding and cap is not None:
         return cap
     return config.max_num_batched_tokens
-
-
-def decodes_first(running: Iterable[Request]) -> Iterator[tuple[Request, int]]:
-    """The running requests with their tokens left to schedule: those with at most one
-    (decodes) first, then the others, each in running order."""
-    chunks = []
-    for request in running:
-        unscheduled = request.num_unscheduled
-        if unscheduled > 1:
-            chunks.append((request, unscheduled))
-        else:
-            yield request, unscheduled
-    yield from chunks

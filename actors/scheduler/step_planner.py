@@ -174,7 +174,8 @@ class StepPlanner:
         if not overlapped:
             self._make_seats()
         split = split_budget(self.running.values(), self.config)
-        counts, running, budget = split.counts, split.running, split.new_tokens
+        counts, budget = split.counts, split.new_tokens
+        running = {rid: self.running[rid] for rid in counts}
         seats = self._seats_held() if self.waiting else {}
         admissions = self.waiting.offers(seats, self.running, self.requests, overlapped, budget)
         if running and not admissions and split.held:

@@ -125,8 +125,7 @@ class FollowerGroup:
         self.liveness = liveness
         self.watchdog: FollowerWatchdog | None = None
         self._stopping = threading.Event()
-        self._condemned = threading.Event()  # condemn() is killing the group
-        self._condemning = threading.Lock()  # held by the one thread that condemns
+        self._condemning = threading.Lock()  # held by the one thread that condemns the group
 
     @classmethod
     def spawn(cls, config: EngineConfig) -> FollowerGroup:
@@ -194,7 +193,6 @@ class FollowerGroup:
         first's exit. No teardown: the forward thread may be stuck in a collective."""
         if not self._condemning.acquire(blocking=False):
             threading.Event().wait()
-        self._condemned.set()
         self._stopping.set()  # the followers' exits are this thread's doing: no GROUP_BROKEN
         for process in self.processes:
             process.kill()
@@ -214,9 +212,9 @@ class FollowerGroup:
         watchdog, whose own wake-ups a loaded machine may delay past the bound, may not have
         acted yet: a follower silent for the bound since the watch began is condemned here.
         Never returns."""
-        if not self._condemned.is_set() and self.watchdog is not None:
+        if not self._condemning.locked() and self.watchdog is not None:
             self.watchdog.condemn_if_silent(time.monotonic(), self.watchdog.started)
-        if not self._condemned.is_set():
+        if not self._condemning.locked():
             log.exception("the group's step failed: exiting, so the group restarts")
             os._exit(GROUP_BROKEN)
         threading.Event().wait()

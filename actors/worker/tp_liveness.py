@@ -107,6 +107,8 @@ class FollowerWatchdog:
         self.handled, self.stopping, self.condemn = handled, stopping, condemn
         self.period_s = stamp_period_s(bound_s)
         self.thread = threading.Thread(target=self._run, daemon=True, name="liveness-watch")
+        # the watch's start, and the earliest a follower's silence counts from (`_run`)
+        self.started = self.since = time.monotonic()
 
     def start(self) -> FollowerWatchdog:
         self.started = self.since = time.monotonic()
