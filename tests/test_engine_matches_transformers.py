@@ -5,8 +5,11 @@ planned while the step before them runs (async scheduling, the default) or one a
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from actorserve import AsyncClient
 from actorserve.messages.common import SamplingParams
 from support import (
     PROMPT_LENGTHS,
@@ -90,12 +93,23 @@ def test_output_matches_transformers_when_long_prompts_are_prefilled_in_chunks(l
 def test_output_matches_transformers_when_prompts_beside_decodes_are_cut_to_a_few_tokens(
     llama_dir,
 ):
-    # While any request decodes, a step computes at most 16 prompt tokens: the prompts that do
-    # not fit the first step are prefilled 16 tokens a step beside the others' decodes.
+    # One request decodes while the sixteen prompts come in, so the steps that take them have a
+    # decode, and such a step computes at most 16 prompt tokens: every prompt over 16 tokens is
+    # prefilled 16 tokens a step beside the decodes. (Sixteen prompts alone arriving at once
+    # would all fit the first step, which has no decode, and nothing would be cut.)
     server = EngineServer(llama_dir, "--max-prefill-tokens-beside-decodes", "16")
+    decoding = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def while_one_decodes() -> None:
+        async with AsyncClient(server.address, timeout_s=120) as client:
+            stream = client.generate(prompts_of_lengths(llama_dir, [9])[0], decoding)
+            await anext(stream)  # it has its first token: it decodes from now on
+            await asyncio.to_thread(assert_matches_transformers, llama_dir, server.address)
+            await stream.aclose()  # aborts it
+
     try:
-        assert_matches_transformers(llama_dir, server.address)
+        asyncio.run(while_one_decodes())
         stats = server.wait_blocks_free()
-        assert stats.num_partial_prefills > 0
+        assert stats.num_partial_prefills >= sum(1 for n in PROMPT_LENGTHS if n > 16)
     finally:
         assert server.stop() == 0
